@@ -1,0 +1,1 @@
+"""Device backends. Each family implements the two small interfaces in `backends.base`."""

@@ -1,0 +1,72 @@
+"""The seam between decoding math and devices.
+
+A target backend runs the frozen target over new tokens, appending to a KV cache it can crop, and
+captures the hidden states the draft conditions on. A draft backend keeps the context features it has
+been given and fills one block [anchor, mask, ...] per call. Everything returned is a torch tensor
+(on whatever torch device the backend likes); the decoding loop never looks inside a backend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hetero_sd.config import ArchConfig
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [T, vocab] float32: every new position, or only the last one
+    features: torch.Tensor | None  # [T, len(layer_ids) * hidden]: context features for the draft
+
+
+class TargetBackend(ABC):
+    config: ArchConfig
+    device: str
+    layer_ids: list[int]  # target layers whose outputs are captured as context features
+    max_context: int
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+
+    @abstractmethod
+    def forward(self, token_ids: Sequence[int], *, last_only: bool = False,
+                features: bool = True) -> TargetOutput:
+        """Run the tokens at positions length..length+T-1 and append them to the cache."""
+
+    @abstractmethod
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on (rejected drafts)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for honest timings on asynchronous devices)."""
+
+
+class DraftBackend(ABC):
+    block_size: int
+    mask_token_id: int
+    device: str
+
+    @property
+    @abstractmethod
+    def context_length(self) -> int:
+        """Positions of context features held; the next anchor sits at this position."""
+
+    @abstractmethod
+    def add_context(self, features: torch.Tensor) -> None:
+        """Append context features [T, L*H] for the next T positions."""
+
+    @abstractmethod
+    def propose(self, anchor: int) -> torch.Tensor:
+        """Fill [anchor, mask * (B-1)] in one pass: float32 logits [B-1, vocab] for block positions 1.."""
+
+    @abstractmethod
+    def crop(self, length: int) -> None:
+        """Forget context from position `length` on."""
+
+    def synchronize(self) -> None:
+        pass

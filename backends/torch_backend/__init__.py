@@ -1,0 +1,34 @@
+"""torch backend: cpu, cuda, mps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hetero_sd.config import ArchConfig, DraftConfig
+from hetero_sd.weights import load_weights
+
+from .draft import TorchDraft
+from .target import TorchTarget
+
+__all__ = ["TorchDraft", "TorchTarget", "load_target", "load_draft", "default_dtype"]
+
+
+def default_dtype(device: str) -> torch.dtype:
+    # float32 on the CPU (exact parity, and bf16 matmuls are not faster for a model this small);
+    # bfloat16 on accelerators.
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def load_target(folder: Path, cfg: ArchConfig, device: str, dtype: torch.dtype, layer_ids=(),
+                max_context: int | None = None) -> TorchTarget:
+    return TorchTarget(cfg, load_weights(folder), folder, device, dtype, layer_ids, max_context)
+
+
+def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str, dtype: torch.dtype,
+               mask_token_id: int, tensors: dict | None = None) -> TorchDraft:
+    tensors = tensors if tensors is not None else load_weights(folder)
+    feature_size = len(target.layer_ids) * target.config.hidden_size
+    return TorchDraft(cfg, tensors, folder, device, dtype, target.embed, target.lm_head, feature_size,
+                      mask_token_id, target.max_context)

@@ -1,0 +1,72 @@
+"""The DFlash draft on torch (reference §2): context features fused once, K/V of the context cached,
+the block [anchor, mask, ...] denoised in one non-causal pass through the target's embedding and head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hetero_sd.config import DraftConfig
+from hetero_sd.weights import take
+
+from ..base import DraftBackend
+from .layers import Block, KVCache, Rope, layer_weights, linear, rms_norm
+
+
+class TorchDraft(DraftBackend):
+    def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
+                 embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
+                 max_context: int):
+        arch = self.arch = cfg.arch
+        self.device, self.dtype = device, dtype
+        self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
+        h = arch.hidden_size
+        self.fc = take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype).t().contiguous()
+        self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
+        self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
+        self.blocks = [Block(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype))
+                       for i in range(arch.num_hidden_layers)]
+        # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
+        self.embed, self.lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
+        self.rope = Rope(arch, device, dtype)
+        self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.length
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def add_context(self, features: torch.Tensor) -> None:
+        start, count = self.cache.length, features.shape[0]
+        self.cache.reserve(start + count + self.block_size)
+        fused = rms_norm(linear(features.to(self.device, self.dtype)[None], self.fc),
+                         self.hidden_norm, self.arch.rms_norm_eps)
+        cos, sin = self.rope.at(start, count)
+        for i, block in enumerate(self.blocks):
+            # The fused features feed every layer's k/v directly: no input norm on them.
+            k, v = block.project_kv(fused, cos, sin)
+            self.cache.write(i, start, k, v)
+        self.cache.length = start + count
+
+    @torch.inference_mode()
+    def propose(self, anchor: int) -> torch.Tensor:
+        start, eps = self.cache.length, self.arch.rms_norm_eps
+        ids = torch.full((1, self.block_size), self.mask_token_id, device=self.device)
+        ids[0, 0] = anchor
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.rope.at(start, self.block_size)
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
+            # The block's K/V go after the context and are never kept (length is not advanced).
+            keys, values = self.cache.write(i, start, k, v)
+            h = block.attend(h, q, keys, values, None)
+        return linear(rms_norm(h[0, 1:], self.norm, eps), self.lm_head).float()

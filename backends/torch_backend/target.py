@@ -1,0 +1,82 @@
+"""The frozen target on torch: one forward per prefill or verify, hidden states captured on the way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hetero_sd.config import ArchConfig
+from hetero_sd.errors import PromptTooLongError
+from hetero_sd.weights import take
+
+from ..base import TargetBackend, TargetOutput
+from .layers import Block, KVCache, Rope, layer_weights, linear, rms_norm
+
+
+class TorchTarget(TargetBackend):
+    def __init__(self, cfg: ArchConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
+                 layer_ids: Sequence[int] = (), max_context: int | None = None):
+        self.config, self.device, self.dtype = cfg, device, dtype
+        self.layer_ids = list(layer_ids)
+        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = take(tensors, "model.embed_tokens.weight", (v, h), where).to(device, dtype)
+        head = self.embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
+        self.lm_head = head.to(device, dtype).t().contiguous()  # [hidden, vocab]: see layers.linear
+        self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
+        self.blocks = [Block(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype))
+                       for i in range(cfg.num_hidden_layers)]
+        self.rope = Rope(cfg, device, dtype)
+        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        elif self.device == "mps":
+            torch.mps.synchronize()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], *, last_only: bool = False, features: bool = True) -> TargetOutput:
+        start, count = self.cache.length, len(token_ids)
+        if start + count > self.max_context:
+            raise PromptTooLongError(
+                f"{start + count} positions exceed the target's context of {self.max_context}",
+                "shorten the prompt or lower max_new_tokens")
+        self.cache.reserve(start + count)
+        h = F.embedding(torch.tensor([list(token_ids)], device=self.device), self.embed)
+        cos, sin = self.rope.at(start, count)
+        mask = None if count == 1 else self.causal_mask(start, count)
+        captured = []
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, self.config.rms_norm_eps), cos, sin)
+            keys, values = self.cache.write(i, start, k, v)
+            h = block.attend(h, q, keys, values, mask)
+            if features and i in self.layer_ids:
+                captured.append(h)
+        self.cache.length = start + count
+        normed = rms_norm(h[0, -1:] if last_only else h[0], self.norm, self.config.rms_norm_eps)
+        return TargetOutput(linear(normed, self.lm_head).float(), self.gather(captured) if features else None)
+
+    def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
+        if not self.layer_ids:
+            return None
+        # Order as in layer_ids; HF's hidden_states for the last layer is after the final norm.
+        by_layer = dict(zip(sorted(set(self.layer_ids)), captured))
+        last = self.config.num_hidden_layers - 1
+        parts = [rms_norm(by_layer[i], self.norm, self.config.rms_norm_eps) if i == last else by_layer[i]
+                 for i in self.layer_ids]
+        return torch.cat(parts, -1)[0]
+
+    def causal_mask(self, start: int, count: int) -> torch.Tensor:
+        rows = torch.arange(count, device=self.device)[:, None] + start
+        return torch.arange(start + count, device=self.device)[None, :] <= rows

@@ -1,0 +1,128 @@
+"""Model configs read straight from HF `config.json` files (targets and z-lab DFlash drafts)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+# Decoder families whose blocks our backends implement (Llama-style pre-norm blocks, GQA, RoPE).
+SUPPORTED_TYPES = {"llama": dict(qk_norm=False), "qwen3": dict(qk_norm=True), "qwen2": dict(qk_norm=False)}
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"no config.json in {path.parent}",
+                          "point at a model folder in HF format (config.json + model.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})", "re-download or re-create the model folder")
+
+
+@dataclass
+class ArchConfig:
+    """The shape of one decoder stack (a target, or the layers of a draft)."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> "ArchConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_TYPES:
+            raise ConfigError(f"{where}: model_type {model_type!r} is not supported",
+                              f"use a {', '.join(sorted(SUPPORTED_TYPES))} model")
+        layer_types = set(raw.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"} or raw.get("use_sliding_window"):
+            raise ConfigError(f"{where}: sliding-window attention layers are not supported",
+                              "use a model whose layers are all full attention")
+        try:
+            heads = raw["num_attention_heads"]
+            rope_params = raw.get("rope_parameters") or {}
+            scaling = raw.get("rope_scaling") or rope_params or None
+            rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            eos = raw.get("eos_token_id")
+            return cls(
+                model_type=model_type,
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                vocab_size=raw["vocab_size"],
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
+                rope_scaling=scaling if rope_type != "default" else None,
+                max_position_embeddings=raw.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+                qk_norm=SUPPORTED_TYPES[model_type]["qk_norm"],
+                eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+                raw=raw,
+            )
+        except KeyError as e:
+            raise ConfigError(f"{where} lacks the field {e.args[0]!r}", "re-create the model folder")
+
+
+def fallback_layer_ids(num_target_layers: int, num_draft_feature_layers: int) -> list[int]:
+    """Target layers used when a draft config names none (the reference implementation's rule)."""
+    n, count = num_target_layers, num_draft_feature_layers
+    if count == 1:
+        return [n // 2]
+    return [round(1 + i * (n - 4) / (count - 1)) for i in range(count)]
+
+
+@dataclass
+class DraftConfig:
+    """A z-lab DFlash draft: its own layers, plus which target layers feed it and how it fills a block."""
+
+    arch: ArchConfig
+    block_size: int
+    mask_token_id: int | None
+    target_layer_ids: list[int] | None
+    num_target_layers: int | None
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "DraftConfig":
+        return cls.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "draft config") -> "DraftConfig":
+        if "DFlashDraftModel" not in (raw.get("architectures") or []) and "dflash_config" not in raw:
+            raise ConfigError(f"{where} is not a DFlash draft config (no DFlashDraftModel architecture)",
+                              "pass a z-lab DFlash draft folder as --draft, or leave --draft out")
+        dflash = raw.get("dflash_config") or {}
+        return cls(
+            arch=ArchConfig.from_dict(raw, where),
+            block_size=int(raw.get("block_size", dflash.get("block_size", 16))),
+            mask_token_id=dflash.get("mask_token_id", raw.get("mask_token_id")),
+            target_layer_ids=dflash.get("target_layer_ids"),
+            num_target_layers=raw.get("num_target_layers"),
+        )
+
+    def layer_ids(self, num_feature_layers: int) -> list[int]:
+        if self.target_layer_ids is not None:
+            return list(self.target_layer_ids)
+        if self.num_target_layers is None:
+            raise ConfigError("draft config names neither target_layer_ids nor num_target_layers",
+                              "add dflash_config.target_layer_ids to the draft's config.json")
+        return fallback_layer_ids(self.num_target_layers, num_feature_layers)

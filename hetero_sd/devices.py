@@ -1,0 +1,55 @@
+"""Device names the runtime understands, and which of them this machine can run."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DeviceUnavailableError, UnknownDeviceError
+
+KNOWN = "cpu, cuda, cuda:N, mps"
+
+
+@dataclass
+class DeviceInfo:
+    name: str
+    backend: str
+    available: bool
+    detail: str
+
+
+def devices() -> list[DeviceInfo]:
+    """Every device family the runtime has a backend for, with whether this machine has it."""
+    infos = [DeviceInfo("cpu", "torch", True, f"torch {torch.__version__}, {torch.get_num_threads()} threads")]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            infos.append(DeviceInfo(f"cuda:{i}", "torch", True, torch.cuda.get_device_name(i)))
+    else:
+        infos.append(DeviceInfo("cuda", "torch", False, "torch.cuda.is_available() is False"))
+    mps = torch.backends.mps.is_available()
+    infos.append(DeviceInfo("mps", "torch", mps, "Apple GPU via torch" if mps else "not an Apple-silicon Mac"))
+    return infos
+
+
+def check_device(name: str) -> str:
+    """Normalise a device name, or say why it cannot be used here."""
+    name = name.strip().lower()
+    if name == "cpu":
+        return name
+    if re.fullmatch(r"cuda(:\d+)?", name):
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"device {name!r} is not present on this machine (no CUDA GPU)",
+                                         "use --target-device/--draft-device cpu; `hetero-sd devices` lists what is here")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)",
+                                         "pick an index below that")
+        return f"cuda:{index}"
+    if name == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceUnavailableError("device 'mps' is not present on this machine (not an Apple-silicon Mac)",
+                                         "use cpu; `hetero-sd devices` lists what is here")
+        return name
+    raise UnknownDeviceError(f"unknown device {name!r}", f"use one of: {KNOWN}")

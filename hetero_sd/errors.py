@@ -1,0 +1,40 @@
+"""Errors a user can act on: each names the problem and the fix.
+
+The CLI prints them as one line (no stack trace unless --debug)."""
+
+
+class HeteroSDError(Exception):
+    """Base class. `fix` says what the user should do about it."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem} (fix: {fix})")
+        self.problem = problem
+        self.fix = fix
+
+
+class ModelNotFoundError(HeteroSDError):
+    pass
+
+
+class WeightsError(HeteroSDError):
+    """Missing, corrupt or incomplete safetensors."""
+
+
+class ConfigError(HeteroSDError):
+    """A config.json that is missing, unreadable or describes an unsupported model."""
+
+
+class MismatchError(HeteroSDError):
+    """The draft was not made for this target."""
+
+
+class UnknownDeviceError(HeteroSDError):
+    pass
+
+
+class DeviceUnavailableError(HeteroSDError):
+    pass
+
+
+class PromptTooLongError(HeteroSDError):
+    pass

@@ -1,0 +1,217 @@
+"""The Python API: `load` a target (and a DFlash draft), then `generate`, `stream` or `draft_step`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from backends import torch_backend
+from backends.base import DraftBackend, TargetBackend
+
+from . import decoding
+from .config import ArchConfig, DraftConfig, read_json
+from .devices import check_device
+from .draft_init import draft_config, pick_mask_token, random_draft_tensors
+from .errors import ConfigError, PromptTooLongError
+from .pairing import check_pair, feature_layers
+from .sampling import RULES, Sampler, SamplingParams, draft_tokens
+from .sources import resolve_folder, resolve_target
+from .stats import Stats
+from .weights import load_weights
+
+Prompt = str | Sequence[int] | Sequence[dict]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANDOM_DRAFT_LAYERS = 2
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated ids only (a stop token, when hit, is the last one)
+    text: str
+    stats: Stats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]  # new this step
+    text: str  # new text this step (may lag a token while a UTF-8 character is incomplete)
+    accepted: int | None  # drafts accepted this step; None for the prefill token or without a draft
+    stats: Stats  # live statistics so far
+
+
+@dataclass
+class DraftStep:
+    anchor: int
+    tokens: list[int]  # block_size - 1 proposals
+    logits: np.ndarray  # float32 [block_size - 1, vocab]
+
+
+class TextStream:
+    """Incremental detokenisation that never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def add(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+class Runtime:
+    def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
+                 info: dict):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.stop_ids, self.info = stop_ids, info
+
+    @property
+    def block_size(self) -> int:
+        return self.draft.block_size if self.draft else 1
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> tuple[list[int], list[str]]:
+        """Token ids for a prompt; notes say what was done that the caller might not expect."""
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer.encode(prompt, add_special_tokens=True), []
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if not self.tokenizer.chat_template:
+                text = "\n".join(m["content"] for m in messages)
+                return self.tokenizer.encode(text), ["the tokenizer has no chat template: prompt used as plain text"]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), []
+        return [int(t) for t in prompt], []
+
+    def stream(self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, chat: bool = True, stop_at_eos: bool | None = None,
+               speculative: bool = True, rule: str = "match") -> Iterator[StreamEvent]:
+        """Yield one event per verify step (per token without a draft). The last event's stats are final."""
+        if rule not in RULES:
+            raise ConfigError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
+        prompt_ids, notes = self.encode(prompt, chat)
+        use_draft = speculative and self.draft is not None
+        self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
+        if stop_at_eos is None:
+            stop_at_eos = not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
+        stats = Stats(mode="speculative" if use_draft else "autoregressive",
+                      block_size=self.block_size if use_draft else 1, notes=notes)
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed)
+        budget = decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats)
+        steps = (decoding.speculative(self.target, self.draft, prompt_ids, sampler, budget, stats, rule)
+                 if use_draft else decoding.autoregressive(self.target, prompt_ids, sampler, budget, stats))
+        text = TextStream(self.tokenizer)
+        began = time.perf_counter()
+        for step in steps:
+            stats.total_s = time.perf_counter() - began
+            yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
+
+    def generate(self, prompt: Prompt, **kwargs) -> Generation:
+        """Generate to the end; keyword arguments as for `stream`."""
+        ids: list[int] = []
+        stats = None
+        for event in self.stream(prompt, **kwargs):
+            ids += event.token_ids
+            stats = event.stats
+        prompt_ids, _ = self.encode(prompt, kwargs.get("chat", True))
+        return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
+
+    def draft_step(self, prompt_ids: Sequence[int]) -> DraftStep:
+        """The first block after prefill (greedy anchor), for experiments on the draft alone."""
+        if self.draft is None:
+            raise ConfigError("this runtime has no draft", "load it with draft=... to use draft_step")
+        self.check_length(len(prompt_ids), 1, self.block_size)
+        sampler = Sampler(SamplingParams())
+        anchor, features = decoding.prefill(self.target, list(prompt_ids), sampler, Stats(), features=True)
+        self.draft.crop(0)
+        self.draft.add_context(features)
+        logits = self.draft.propose(anchor)
+        tokens, _ = draft_tokens(sampler, logits, "match")
+        return DraftStep(anchor, tokens, logits.float().cpu().numpy())
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, block: int) -> None:
+        need = prompt_len + max_new_tokens + block
+        if need > self.target.max_context:
+            raise PromptTooLongError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block {block} needs "
+                f"{need} positions; the target's context is {self.target.max_context}",
+                "shorten the prompt or lower max_new_tokens")
+
+
+def resolve_dtype(dtype, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch_backend.default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load(target: str = "default", draft: str | None = None, *, target_device: str = "cpu",
+         draft_device: str | None = None, dtype=None, block_size: int | None = None,
+         max_context: int | None = None) -> Runtime:
+    """Load a target and optionally a DFlash draft.
+
+    target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default".
+    draft="random": an untrained draft of the right shape (for tests and baselines)."""
+    from transformers import AutoTokenizer
+
+    target_device = check_device(target_device)
+    draft_device = check_device(draft_device or target_device)
+    folder = resolve_target(target)
+    tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None}
+    if draft is None:
+        t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
+                                      max_context=max_context)
+        return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
+
+    dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer)
+    layer_ids = feature_layers(dcfg, tcfg, tensors["fc.weight"].shape[1] if "fc.weight" in tensors else 0)
+    mask = dcfg.mask_token_id
+    if mask is None and "<|MASK|>" in tokenizer.get_vocab():
+        mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    mask = check_pair(dcfg, tcfg, mask)
+    if block_size is not None:
+        if block_size < 2:
+            raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
+        dcfg.block_size = block_size
+    t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
+                                  layer_ids, max_context)
+    d = torch_backend.load_draft(dfolder, dcfg, t, draft_device, resolve_dtype(dtype, draft_device), mask, tensors)
+    info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
+                target_layer_ids=layer_ids, mask_token_id=mask)
+    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
+
+
+def draft_source(draft: str, tcfg: ArchConfig, tokenizer) -> tuple[DraftConfig, dict, Path | None]:
+    if draft == "random":
+        raw = draft_config(tcfg, num_layers=RANDOM_DRAFT_LAYERS, block_size=16,
+                           mask_token_id=pick_mask_token(tokenizer))
+        tensors = {k: v.to(torch.bfloat16).float() for k, v in random_draft_tensors(raw).items()}
+        return DraftConfig.from_dict(raw), tensors, None
+    dfolder = resolve_folder(draft, "draft")
+    dcfg = DraftConfig.from_folder(dfolder)
+    if dcfg.arch.hidden_size != tcfg.hidden_size:  # say "mismatch" before any shape error in the weights
+        check_pair(dcfg, tcfg, dcfg.mask_token_id)
+    return dcfg, load_weights(dfolder), dfolder
+
+
+def stop_ids(cfg: ArchConfig, tokenizer, folder: Path) -> list[int]:
+    ids = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = read_json(gen).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(ids)

@@ -1,0 +1,78 @@
+"""Generation statistics, named as vLLM's speculative-decoding metrics are.
+
+tau (mean_acceptance_length) counts the bonus token: a step that accepts a drafts emits a + 1 tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    mode: str = "speculative"  # or "autoregressive"
+    block_size: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_drafts: int = 0  # verify steps that checked a drafted block
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+    notes: list[str] = field(default_factory=list)  # announced fallbacks and other events
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.accepted_per_step.append(accepted)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens emitted per verify step, bonus included."""
+        if not self.num_drafts:
+            return 1.0 if self.mode == "autoregressive" else 0.0
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
+
+    tau = mean_acceptance_length
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Position i (1-based): fraction of steps whose first i drafts were all accepted."""
+        n = max(self.block_size - 1, 0)
+        if not self.num_drafts:
+            return [0.0] * n
+        return [sum(a >= i for a in self.accepted_per_step) / self.num_drafts for i in range(1, n + 1)]
+
+    @property
+    def acceptance_length_histogram(self) -> dict[int, int]:
+        """Emitted tokens per step (accepted + bonus) -> number of steps."""
+        counts = Counter(a + 1 for a in self.accepted_per_step)
+        return {k: counts.get(k, 0) for k in range(1, self.block_size + 1)}
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(self.total_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("accepted_per_step")
+        d.update(mean_acceptance_length=self.mean_acceptance_length, tau=self.tau,
+                 draft_acceptance_rate=self.draft_acceptance_rate,
+                 acceptance_rate_per_position=self.acceptance_rate_per_position,
+                 acceptance_length_histogram=self.acceptance_length_histogram,
+                 tokens_per_s=self.tokens_per_s, other_s=self.other_s)
+        return d
