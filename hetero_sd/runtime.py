@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from importlib import resources
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,6 +16,7 @@ from backends.base import DraftBackend, TargetBackend
 
 from . import decoding
 from .config import ArchConfig, DraftConfig, read_json
+from .default_model import DEFAULT_TARGET
 from .devices import check_device
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
 from .errors import ConfigError, PromptTooLongError
@@ -72,6 +74,7 @@ class Runtime:
                  info: dict):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
+        self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
 
     @property
     def block_size(self) -> int:
@@ -102,7 +105,7 @@ class Runtime:
         if stop_at_eos is None:
             stop_at_eos = not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
-                      block_size=self.block_size if use_draft else 1, notes=notes)
+                      block_size=self.block_size if use_draft else 1, notes=self.notes + notes)
         sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed)
         budget = decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats)
         steps = (decoding.speculative(self.target, self.draft, prompt_ids, sampler, budget, stats, rule)
@@ -155,13 +158,14 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load(target: str = "default", draft: str | None = None, *, target_device: str = "cpu",
+def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, dtype=None, block_size: int | None = None,
          max_context: int | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
 
-    target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default".
-    draft="random": an untrained draft of the right shape (for tests and baselines)."""
+    target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default" (for the draft:
+    the one shipped for the default target; where none ships, decoding is autoregressive and the
+    stats say so). draft=None: no draft. draft="random": an untrained draft of the right shape."""
     from transformers import AutoTokenizer
 
     target_device = check_device(target_device)
@@ -169,7 +173,9 @@ def load(target: str = "default", draft: str | None = None, *, target_device: st
     folder = resolve_target(target)
     tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None}
+    info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
+            "notes": []}
+    draft = default_draft(draft, target, info["notes"])
     if draft is None:
         t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
                                       max_context=max_context)
@@ -191,6 +197,20 @@ def load(target: str = "default", draft: str | None = None, *, target_device: st
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask)
     return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
+
+
+def default_draft(draft: str | None, target: str, notes: list[str]) -> str | None:
+    """"default" means the draft shipped for the default target; say so when there is none."""
+    if draft in (None, "none"):
+        return None
+    if draft != "default":
+        return draft
+    shipped = resources.files("hetero_sd.data").joinpath("drafts", DEFAULT_TARGET)
+    if target == "default" and shipped.joinpath("config.json").is_file():
+        return str(shipped)
+    notes.append("no trained DFlash draft ships for this target yet: decoding autoregressively "
+                 "(pass a draft folder, or draft='random' to exercise the speculative path)")
+    return None
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer) -> tuple[DraftConfig, dict, Path | None]:

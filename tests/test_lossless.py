@@ -1,0 +1,107 @@
+"""Temperature 0: speculative decoding must emit exactly the target's own greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero_sd.decoding
+from backends.base import DraftBackend
+from hetero_sd.runtime import Runtime
+from hetero_sd.sampling import Verdict
+
+PROMPTS = ["Write a haiku about the sea.", "What is 12 times 7?",
+           "Give three tips for learning Python.", "Explain photosynthesis briefly."]
+MAX_NEW = 40
+
+pytestmark = pytest.mark.slow
+
+
+class OracleDraft(DraftBackend):
+    """Test double: proposes the true continuation (from a baseline run), wrong after `correct` tokens."""
+
+    def __init__(self, sequence: list[int], block_size: int, vocab: int, correct: int | None = None):
+        self.sequence, self.block_size, self.vocab = sequence, block_size, vocab
+        self.correct = block_size - 1 if correct is None else correct
+        self.mask_token_id, self.device, self.length = 0, "cpu", 0
+
+    @property
+    def context_length(self) -> int:
+        return self.length
+
+    def add_context(self, features: torch.Tensor) -> None:
+        self.length += features.shape[0]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def propose(self, anchor: int) -> torch.Tensor:
+        assert self.sequence[self.length] == anchor, "anchor must sit at the draft's context length"
+        truth = self.sequence[self.length + 1:self.length + self.block_size]
+        truth += [5] * (self.block_size - 1 - len(truth))
+        tokens = [t if i < self.correct else (t + 1) % self.vocab for i, t in enumerate(truth)]
+        return torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab).float()
+
+
+def with_draft(rt: Runtime, draft: DraftBackend) -> Runtime:
+    return Runtime(rt.target, draft, rt.tokenizer, rt.stop_ids, rt.info)
+
+
+@pytest.fixture(scope="module")
+def baselines(smollm_random):
+    return {p: smollm_random.generate(p, max_new_tokens=MAX_NEW, speculative=False) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_random_draft_is_lossless(smollm_random, baselines, prompt):
+    spec = smollm_random.generate(prompt, max_new_tokens=MAX_NEW)
+    assert spec.stats.mode == "speculative" and spec.stats.num_drafts > 0
+    assert spec.token_ids == baselines[prompt].token_ids
+    assert spec.text == baselines[prompt].text
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_oracle_draft_accepts_full_blocks_and_stays_lossless(smollm_random, baselines, prompt):
+    base = baselines[prompt]
+    vocab = smollm_random.target.config.vocab_size
+    oracle = OracleDraft(base.prompt_ids + base.token_ids, 16, vocab)
+    spec = with_draft(smollm_random, oracle).generate(prompt, max_new_tokens=MAX_NEW)
+    assert spec.token_ids == base.token_ids
+    # every step but the last accepts the whole block and adds the bonus token
+    assert spec.stats.accepted_per_step[:-1] == [15] * (len(spec.stats.accepted_per_step) - 1)
+    assert spec.stats.acceptance_length_histogram[16] >= 1
+    assert spec.stats.num_drafts == -(-(len(base.token_ids) - 1) // 16)
+
+
+def test_partially_right_draft_accepts_exactly_the_right_prefix(smollm_random, baselines):
+    prompt = PROMPTS[2]
+    base = baselines[prompt]
+    oracle = OracleDraft(base.prompt_ids + base.token_ids, 16, smollm_random.target.config.vocab_size, correct=5)
+    spec = with_draft(smollm_random, oracle).generate(prompt, max_new_tokens=MAX_NEW)
+    assert spec.token_ids == base.token_ids
+    assert set(spec.stats.accepted_per_step[:-1]) == {5}
+    assert spec.stats.tau == pytest.approx(6.0, abs=1.0)
+
+
+def test_the_comparison_catches_a_broken_verifier(smollm_random, baselines, monkeypatch):
+    """Mutation check: a verifier that accepts every draft must break equality with the baseline."""
+    def accept_all(sampler, target_logits, drafted, q, rule):
+        return Verdict(len(drafted), drafted + sampler.sample(target_logits[-1:]))
+
+    monkeypatch.setattr(hetero_sd.decoding, "verify", accept_all)
+    prompt = PROMPTS[0]
+    spec = smollm_random.generate(prompt, max_new_tokens=MAX_NEW)
+    assert spec.token_ids != baselines[prompt].token_ids
+
+
+def test_seeded_sampling_is_reproducible(smollm_random):
+    runs = [smollm_random.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+            for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_raw_ids_skip_chat_template_and_eos(smollm_random):
+    ids = smollm_random.tokenizer.encode("The capital of France is")
+    out = smollm_random.generate(ids, max_new_tokens=12)
+    assert out.prompt_ids == ids
+    assert len(out.token_ids) == 12 and out.stats.finish_reason == "length"
