@@ -1,0 +1,123 @@
+"""Temperature > 0: the emitted tokens must be distributed exactly as the target's own samples.
+
+A tiny target with an 8-token vocabulary lets us enumerate the exact joint distribution of the first
+three generated tokens (512 outcomes) with transformers, then compare thousands of generations against
+it with a chi-square test. A negative control shows the test catches a subtly wrong acceptance rule."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import hetero_sd
+import hetero_sd.sampling as sampling
+from hetero_sd.config import ArchConfig, read_json
+from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
+from hetero_sd.sampling import Sampler, SamplingParams, Verdict
+
+from .conftest import make_tiny_target
+
+VOCAB, PROMPT, N, STEPS = 8, [2, 5, 6, 4], 2500, 3
+P_MIN = 1e-3  # a correct sampler fails this test one time in a thousand
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = make_tiny_target(tmp_path_factory.mktemp("t8"), "llama", vocab_size=VOCAB, seed=3,
+                              initializer_range=0.35)
+    cfg = ArchConfig.from_dict(read_json(target / "config.json"))
+    raw = draft_config(cfg, num_layers=1, block_size=4, mask_token_id=3, layer_ids=[1, 3])
+    draft = write_draft(tmp_path_factory.mktemp("d8"), raw, random_draft_tensors(raw, seed=1, std=0.3),
+                        dtype=torch.float32)
+    return target, draft
+
+
+def exact_joint(target_folder, params: SamplingParams) -> dict[tuple, float]:
+    """P(first three tokens) by enumeration with transformers' model and our logits processing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32).eval()
+    probs = Sampler(params).probs
+
+    def next_probs(prefixes):
+        with torch.no_grad():
+            return probs(model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]).double()
+
+    joint = {(): 1.0}
+    for _ in range(STEPS):
+        prefixes = list(joint)
+        p = next_probs(prefixes)
+        joint = {pre + (t,): joint[pre] * p[i, t].item() for i, pre in enumerate(prefixes) for t in range(VOCAB)}
+    return joint
+
+
+def chi_square_p(samples: list[tuple], joint: dict[tuple, float]) -> float:
+    counts = Counter(samples)
+    cells = sorted(joint, key=joint.get, reverse=True)
+    expected = np.array([joint[c] * len(samples) for c in cells])
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    assert sum(counts.values()) == observed.sum(), "a sample fell outside the enumerated outcomes"
+    assert observed[expected == 0].sum() == 0, "a sample has probability zero under the target"
+    big = expected >= 5  # pool the rare outcomes into one cell so the chi-square approximation holds
+    rare = (expected < 5) & (expected > 0)
+    exp, obs = expected[big], observed[big]
+    if rare.any():
+        exp, obs = np.append(exp, expected[rare].sum()), np.append(obs, observed[rare].sum())
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def sample_many(rt, params: SamplingParams, speculative=True, rule="match") -> tuple[list[tuple], dict]:
+    out, totals = [], Counter()
+    for seed in range(N):
+        g = rt.generate(PROMPT, max_new_tokens=STEPS, temperature=params.temperature, top_k=params.top_k,
+                        top_p=params.top_p, seed=seed, speculative=speculative, rule=rule)
+        out.append(tuple(g.token_ids))
+        totals.update(accepted=g.stats.num_accepted_tokens, drafted=g.stats.num_draft_tokens)
+    return out, totals
+
+
+CASES = [("autoregressive", SamplingParams(1.0)), ("match", SamplingParams(1.0)),
+         ("rejection", SamplingParams(1.0)), ("rejection", SamplingParams(0.7, top_k=4)),
+         ("match", SamplingParams(1.3, top_p=0.8))]
+
+
+@pytest.mark.parametrize("rule,params", CASES, ids=[f"{r}-T{p.temperature}-k{p.top_k}-p{p.top_p}" for r, p in CASES])
+def test_samples_follow_the_target_distribution(pair, rule, params):
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]))
+    samples, totals = sample_many(rt, params, speculative=rule != "autoregressive",
+                                  rule="match" if rule == "autoregressive" else rule)
+    p = chi_square_p(samples, exact_joint(pair[0], params))
+    assert p > P_MIN, f"samples do not follow the target distribution (chi-square p = {p:.2e})"
+    if rule != "autoregressive":  # both branches of the rule were exercised
+        assert 0 < totals["accepted"] < totals["drafted"]
+
+
+def test_negative_control_catches_a_wrong_rejection_rule(pair, monkeypatch):
+    """Resampling from p (instead of the residual max(p - q, 0)) after a rejection is a classic bug."""
+    def biased(sampler, p, drafted, q):
+        for i, d in enumerate(drafted):
+            if sampler.uniform(p.device) >= (p[i, d] / q[i, d]).item():
+                return Verdict(i, drafted[:i] + [sampler.draw(p[i][None])[0].item()])
+        return Verdict(len(drafted), drafted + [sampler.draw(p[len(drafted)][None])[0].item()])
+
+    monkeypatch.setattr(sampling, "rejection", biased)
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]))
+    params = SamplingParams(1.0)
+    samples, _ = sample_many(rt, params, rule="rejection")
+    assert chi_square_p(samples, exact_joint(pair[0], params)) < P_MIN
+
+
+def test_top_k_and_top_p_processing():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = Sampler(SamplingParams(1.0, top_k=2)).probs(logits)[0]
+    assert (p[2:] == 0).all() and torch.isclose(p[:2].sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)[0]
+    p = Sampler(SamplingParams(1.0, top_p=0.8)).probs(logits)[0]
+    keep = int((p > 0).sum())
+    assert full[:keep - 1].sum() < 0.8 <= full[:keep].sum()  # the smallest prefix reaching top_p
+    assert Sampler(SamplingParams(1.0, top_p=1e-9)).probs(logits)[0].argmax() == 0
