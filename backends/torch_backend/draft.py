@@ -12,10 +12,10 @@ from hetero_sd.config import DraftConfig
 from hetero_sd.weights import take
 
 from ..base import DraftBackend
-from .layers import Block, KVCache, Rope, layer_weights, linear, rms_norm
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
 
 
-class TorchDraft(DraftBackend):
+class TorchDraft(CacheOwner, DraftBackend):
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
                  max_context: int):
@@ -36,13 +36,6 @@ class TorchDraft(DraftBackend):
     @property
     def context_length(self) -> int:
         return self.cache.length
-
-    def crop(self, length: int) -> None:
-        self.cache.length = min(self.cache.length, length)
-
-    def synchronize(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def add_context(self, features: torch.Tensor) -> None:

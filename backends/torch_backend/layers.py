@@ -95,6 +95,22 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class CacheOwner:
+    """What the torch target and draft share: a KV cache to crop, a device to wait for."""
+
+    cache: KVCache
+    device: str
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        elif self.device == "mps":
+            torch.mps.synchronize()
+
+
 class Block:
     """One pre-norm decoder layer with fused weights (no nn.Module: inference only)."""
 

@@ -13,10 +13,10 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.weights import take
 
 from ..base import TargetBackend, TargetOutput
-from .layers import Block, KVCache, Rope, layer_weights, linear, rms_norm
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
 
 
-class TorchTarget(TargetBackend):
+class TorchTarget(CacheOwner, TargetBackend):
     def __init__(self, cfg: ArchConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  layer_ids: Sequence[int] = (), max_context: int | None = None):
         self.config, self.device, self.dtype = cfg, device, dtype
@@ -35,15 +35,6 @@ class TorchTarget(TargetBackend):
     @property
     def length(self) -> int:
         return self.cache.length
-
-    def crop(self, length: int) -> None:
-        self.cache.length = min(self.cache.length, length)
-
-    def synchronize(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-        elif self.device == "mps":
-            torch.mps.synchronize()
 
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], *, last_only: bool = False, features: bool = True) -> TargetOutput:
