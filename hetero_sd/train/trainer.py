@@ -1,0 +1,182 @@
+"""The training loop for `hetero-sd train-draft` (reference §5).
+
+Data: prompts answered by the target itself (train/data.py). Features: the target's hidden states at the
+draft's layers, computed once per sequence with our torch target and kept in memory (bf16). Each step
+samples random anchors among response tokens, runs all blocks of a sequence in one forward with the
+block mask, and weights the cross-entropy at block position k by exp(-(k-1)/gamma)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backends.torch_backend import load_target
+from hetero_sd.config import ArchConfig, fallback_layer_ids, read_json
+from hetero_sd.draft_init import draft_config, pick_mask_token, write_draft
+
+from .model import TrainableDraft
+
+
+@dataclass
+class TrainConfig:
+    block_size: int = 16
+    layers: int = 2
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 50
+    accumulate: int = 4  # sequences per optimizer step
+    anchors: int = 24  # blocks per sequence per step (fewer if the response is short)
+    gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (reference §5)
+    held_out: int = 24
+    eval_every: int = 100
+    seed: int = 0
+    init: str = "target"  # "target": draft layers start as copies of the target's last layers
+    history: list = field(default_factory=list)
+
+    def decay(self) -> float:
+        return self.gamma or (7.0 if self.block_size >= 16 else 4.0 * self.block_size / 8)
+
+
+class FeatureCache:
+    """Target features per training sequence, computed on first use."""
+
+    def __init__(self, target_folder: Path, layer_ids: list[int]):
+        cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
+        self.target = load_target(target_folder, cfg, "cpu", torch.float32, layer_ids)
+        self.store: dict[int, torch.Tensor] = {}
+
+    def __call__(self, index: int, tokens: list[int]) -> torch.Tensor:
+        if index not in self.store:
+            self.target.crop(0)
+            self.store[index] = self.target.forward(tokens, last_only=True).features.to(torch.bfloat16)
+        return self.store[index].float()
+
+
+def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
+    """Five feature layers spread as the reference does, the last one feeding the copied layers."""
+    ids = fallback_layer_ids(num_target_layers, 5)
+    last = num_target_layers - draft_layers - 1
+    return sorted(set([i for i in ids[:-1] if i < last] + [last]))
+
+
+def init_from_target(model: TrainableDraft, target_tensors: dict, num_target_layers: int) -> None:
+    """Draft layer i <- target layer N-L+i; fc picks the feature of the layer feeding them."""
+    h = model.cfg["hidden_size"]
+    first = num_target_layers - len(model.layers)
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, -h:] = torch.eye(h)
+        model.hidden_norm.weight.copy_(target_tensors[f"model.layers.{first}.input_layernorm.weight"])
+        model.norm.weight.copy_(target_tensors["model.norm.weight"])
+        for name, p in model.layers.named_parameters():
+            i, rest = name.split(".", 1)
+            src = f"model.layers.{first + int(i)}.{rest}"
+            if src in target_tensors:
+                p.copy_(target_tensors[src])
+
+
+def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int) -> torch.Tensor:
+    choices = list(range(prompt_len, seq_len - 1))  # anchors are response tokens with a successor
+    return torch.tensor(sorted(rng.sample(choices, min(count, len(choices)))), dtype=torch.long)
+
+
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """Labels [n, B-1]: the tokens at anchor+1..anchor+B-1; -100 past the end of the sequence."""
+    pos = anchors[:, None] + torch.arange(1, block)
+    return torch.where(pos < tokens.shape[0], tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
+
+
+def loss_fn(model: TrainableDraft, features, tokens, anchors, weights) -> torch.Tensor:
+    labels = block_labels(tokens, anchors, model.block_size)
+    logits = model.logits(model(features, tokens, anchors))
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    w = weights.expand_as(labels).flatten() * (labels.flatten() != -100)
+    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+@torch.no_grad()
+def held_out_tau(model: TrainableDraft, rows, features) -> float:
+    """Greedy acceptance on held-out sequences: anchors every B tokens, leading correct drafts + bonus."""
+    lengths = []
+    for row in rows:
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        p, s, b = len(row["prompt_ids"]), tokens.shape[0], model.block_size
+        anchors = torch.arange(p, s - 1, b)
+        if not len(anchors):
+            continue
+        labels = block_labels(tokens, anchors, b)
+        guess = model.logits(model(features(row["index"], tokens.tolist()), tokens, anchors)).argmax(-1)
+        right = (guess == labels).int().cumprod(-1).sum(-1)
+        lengths += (right + 1).tolist()
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *, resume: bool = False,
+          progress=None) -> dict:
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tcfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
+    layer_ids = choose_layers(tcfg.num_hidden_layers, cfg.layers)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
+    raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
+                       mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
+    features = FeatureCache(target_folder, layer_ids)
+    model = TrainableDraft(raw, features.target.embed, features.target.lm_head.t())
+    rows = sorted(rows, key=lambda r: r["index"])
+    random.Random(cfg.seed).shuffle(rows)
+    held, train_rows = rows[:cfg.held_out], [r for r in rows[cfg.held_out:] if len(r["response_ids"]) > 1]
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    start, checkpoint = 0, out / "checkpoint.pt"
+    if resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        start, cfg.history = state["step"], state["history"]
+        rng.setstate(state["rng"])
+    elif cfg.init == "target":
+        from hetero_sd.weights import load_weights
+        init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
+    weights = torch.exp(-torch.arange(cfg.block_size - 1) / cfg.decay())
+    began = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in optim.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for _ in range(cfg.accumulate):
+            row = rng.choice(train_rows)
+            ids = row["prompt_ids"] + row["response_ids"]
+            tokens = torch.tensor(ids)
+            anchors = sample_anchors(rng, len(row["prompt_ids"]), len(ids), cfg.anchors)
+            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights) / cfg.accumulate
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        record = {"step": step + 1, "loss": total, "lr": lr, "elapsed_s": time.perf_counter() - began}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record["held_out_tau"] = held_out_tau(model, held, features)
+            cfg.history.append(record)
+            save(out, model, optim, step + 1, rng, cfg, raw)
+        if progress:
+            progress(record)
+    return {"draft": str(out), "history": cfg.history}
+
+
+def save(out: Path, model: TrainableDraft, optim, step: int, rng: random.Random, cfg: TrainConfig,
+         raw: dict) -> None:
+    """A loadable z-lab folder at every evaluation, plus a resumable checkpoint."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_draft(out, raw, {k: v.detach() for k, v in model.state_dict().items()})
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "rng": rng.getstate(),
+                "history": cfg.history}, out / "checkpoint.pt")
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "step": step}, indent=2))
