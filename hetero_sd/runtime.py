@@ -93,37 +93,45 @@ class Runtime:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids), []
         return [int(t) for t in prompt], []
 
-    def stream(self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, chat: bool = True, stop_at_eos: bool | None = None,
-               speculative: bool = True, rule: str = "match") -> Iterator[StreamEvent]:
-        """Yield one event per verify step (per token without a draft). The last event's stats are final."""
+    def stream(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
+               **kwargs) -> Iterator[StreamEvent]:
+        """Yield one event per verify step (per token without a draft). The last event's stats are final.
+
+        Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+        speculative=True (False: the autoregressive baseline on the same backend), rule="match"."""
+        prompt_ids, notes = self.encode(prompt, chat)
+        return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
+
+    def run(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
+            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+            speculative: bool = True, rule: str = "match") -> Iterator[StreamEvent]:
         if rule not in RULES:
             raise ConfigError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
-        prompt_ids, notes = self.encode(prompt, chat)
         use_draft = speculative and self.draft is not None
         self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
-        if stop_at_eos is None:
-            stop_at_eos = not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
                       block_size=self.block_size if use_draft else 1, notes=self.notes + notes)
         sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed)
         budget = decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats)
         steps = (decoding.speculative(self.target, self.draft, prompt_ids, sampler, budget, stats, rule)
                  if use_draft else decoding.autoregressive(self.target, prompt_ids, sampler, budget, stats))
+        return self.events(steps, stats)
+
+    def events(self, steps, stats: Stats) -> Iterator[StreamEvent]:
         text = TextStream(self.tokenizer)
         began = time.perf_counter()
         for step in steps:
             stats.total_s = time.perf_counter() - began
             yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
 
-    def generate(self, prompt: Prompt, **kwargs) -> Generation:
+    def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
+                 **kwargs) -> Generation:
         """Generate to the end; keyword arguments as for `stream`."""
-        ids: list[int] = []
-        stats = None
-        for event in self.stream(prompt, **kwargs):
+        prompt_ids, notes = self.encode(prompt, chat)
+        ids, stats = [], None
+        for event in self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs):
             ids += event.token_ids
             stats = event.stats
-        prompt_ids, _ = self.encode(prompt, kwargs.get("chat", True))
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
     def draft_step(self, prompt_ids: Sequence[int]) -> DraftStep:
@@ -146,6 +154,13 @@ class Runtime:
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block {block} needs "
                 f"{need} positions; the target's context is {self.target.max_context}",
                 "shorten the prompt or lower max_new_tokens")
+
+
+def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
+    """Text and chat prompts stop at EOS; raw token ids run to the length limit unless asked."""
+    if asked is not None:
+        return asked
+    return not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:

@@ -107,7 +107,9 @@ class TrainableDraft(nn.Module):
         return self.norm(h).view(n, b, -1)[:, 1:]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.frozen["lm_head"].t()
+        """[..., H] -> [..., V]; flattened to one 2-D matmul (a 3-D one runs as a slow bmm here)."""
+        flat = hidden.reshape(-1, hidden.shape[-1]) @ self.frozen["lm_head"].t()
+        return flat.view(*hidden.shape[:-1], -1)
 
 
 def block_mask(anchors: torch.Tensor, context_len: int, block: int) -> torch.Tensor:

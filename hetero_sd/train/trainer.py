@@ -134,6 +134,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     random.Random(cfg.seed).shuffle(rows)
     held, train_rows = rows[:cfg.held_out], [r for r in rows[cfg.held_out:] if len(r["response_ids"]) > 1]
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    out.mkdir(parents=True, exist_ok=True)
     start, checkpoint = 0, out / "checkpoint.pt"
     if resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
@@ -167,6 +168,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
             record["held_out_tau"] = held_out_tau(model, held, features)
             cfg.history.append(record)
             save(out, model, optim, step + 1, rng, cfg, raw)
+        with (out / "log.jsonl").open("a") as log:
+            log.write(json.dumps(record) + "\n")
         if progress:
             progress(record)
     return {"draft": str(out), "history": cfg.history}
