@@ -24,7 +24,7 @@ from .pairing import check_pair, feature_layers
 from .sampling import RULES, Sampler, SamplingParams, draft_tokens
 from .sources import resolve_folder, resolve_target
 from .stats import Stats
-from .weights import load_weights
+from .weights import load_weights, take
 
 Prompt = str | Sequence[int] | Sequence[dict]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,7 +197,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer)
-    layer_ids = feature_layers(dcfg, tcfg, tensors["fc.weight"].shape[1] if "fc.weight" in tensors else 0)
+    layer_ids = feature_layers(dcfg, tcfg, take(tensors, "fc.weight", None, dfolder or draft).shape[1])
     mask = dcfg.mask_token_id
     if mask is None and "<|MASK|>" in tokenizer.get_vocab():
         mask = tokenizer.convert_tokens_to_ids("<|MASK|>")

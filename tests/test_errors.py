@@ -125,3 +125,13 @@ def test_cli_prints_one_line_error_without_traceback(capsys, tiny_llama):
     assert code == 2
     assert "error: unknown device 'tpu'" in err and "fix: use one of" in err
     assert "Traceback" not in err
+
+
+def test_draft_without_fc_names_the_tensor(tmp_path, tiny_llama):
+    folder = draft_for(tiny_llama, tmp_path / "d")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["fc.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(WeightsError, match="no tensor 'fc.weight'"):
+        hetero_sd.load(str(tiny_llama), str(folder))
