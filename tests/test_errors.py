@@ -69,13 +69,20 @@ def test_missing_weights(tmp_path, tiny_llama):
         hetero_sd.load(str(empty), None)
 
 
-def test_draft_missing_a_tensor(tmp_path, tiny_llama):
-    folder = draft_for(tiny_llama, tmp_path / "d")
+def draft_without(target_folder, out, tensor: str):
     from safetensors.torch import load_file, save_file
+
+    folder = draft_for(target_folder, out)
     tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["layers.0.mlp.down_proj.weight"]
+    del tensors[tensor]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(WeightsError, match="no tensor 'layers.0.mlp.down_proj.weight'"):
+    return folder
+
+
+@pytest.mark.parametrize("tensor", ["layers.0.mlp.down_proj.weight", "fc.weight"])
+def test_draft_missing_a_tensor(tmp_path, tiny_llama, tensor):
+    folder = draft_without(tiny_llama, tmp_path / "d", tensor)
+    with pytest.raises(WeightsError, match=f"no tensor '{tensor}'"):
         hetero_sd.load(str(tiny_llama), str(folder))
 
 
@@ -126,12 +133,3 @@ def test_cli_prints_one_line_error_without_traceback(capsys, tiny_llama):
     assert "error: unknown device 'tpu'" in err and "fix: use one of" in err
     assert "Traceback" not in err
 
-
-def test_draft_without_fc_names_the_tensor(tmp_path, tiny_llama):
-    folder = draft_for(tiny_llama, tmp_path / "d")
-    from safetensors.torch import load_file, save_file
-    tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["fc.weight"]
-    save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(WeightsError, match="no tensor 'fc.weight'"):
-        hetero_sd.load(str(tiny_llama), str(folder))
