@@ -45,6 +45,10 @@ class TargetBackend(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (for honest timings on asynchronous devices)."""
 
+    def fork(self) -> "TargetBackend":
+        """Another instance over the same weights with its own empty cache (two requests at once)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")
+
 
 class DraftBackend(ABC):
     block_size: int
@@ -61,8 +65,10 @@ class DraftBackend(ABC):
         """Append context features [T, L*H] for the next T positions."""
 
     @abstractmethod
-    def propose(self, anchor: int) -> torch.Tensor:
-        """Fill [anchor, mask * (B-1)] in one pass: float32 logits [B-1, vocab] for block positions 1.."""
+    def propose(self, anchor: int, position: int | None = None) -> torch.Tensor:
+        """Fill [anchor, mask * (B-1)] in one pass: float32 logits [B-1, vocab] for block positions 1...
+        The anchor sits at `position` (default: right after the context). A later position drafts on a
+        lagged context, for pre-drafting while the positions in between are still being verified."""
 
     @abstractmethod
     def crop(self, length: int) -> None:
@@ -70,3 +76,7 @@ class DraftBackend(ABC):
 
     def synchronize(self) -> None:
         pass
+
+    def fork(self, target: TargetBackend) -> "DraftBackend":
+        """Another instance over the same weights with its own empty context, paired with `target`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from typing import Sequence
 
 import torch
 
+from .errors import ConfigError
 from .prompts import Prompt
-from .runtime import Runtime
+from .runtime import Runtime, check_schedule
 from .stats import Stats
 
 WARMUP = "Say hello."
@@ -38,29 +40,40 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
-              seed: int = 0, rule: str = "match", progress=None) -> dict:
+              seed: int = 0, rule: str = "match", schedules: Sequence[str] = ("sequential",), progress=None) -> dict:
+    """Baseline and each schedule on the same prompts. Per-prompt schedules alternate with the baseline
+    prompt by prompt; "pipeline" (two requests at once) runs the whole set after them."""
     if runtime.draft is None:
-        raise ValueError("bench needs a draft")
+        raise ConfigError("bench needs a draft and none is loaded", "load one with draft=FOLDER or draft='random'")
+    for schedule in schedules:
+        check_schedule(schedule)
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, rule=rule)
     for speculative in (False, True):  # warm-up: first calls pay for allocation and kernel selection
-        runtime.generate(WARMUP, max_new_tokens=8, speculative=speculative)
-    rows, spec_stats = [], []
+        runtime.generate(WARMUP, max_new_tokens=8, speculative=speculative, schedule=schedules[0])
+    single = [s for s in schedules if s != "pipeline"]
+    rows, runs = [], {s: [] for s in schedules}
     for n, prompt in enumerate(prompts):
         base = runtime.generate(prompt.text, speculative=False, **gen)
-        spec = runtime.generate(prompt.text, speculative=True, **gen)
-        spec_stats.append(spec.stats)
-        rows.append(row(n, prompt, base, spec, temperature))
-        if progress:
+        for schedule in single:
+            runs[schedule].append(runtime.generate(prompt.text, schedule=schedule, **gen))
+        first = runs[single[0]][-1] if single else None
+        rows.append(row(n, prompt, base, first, temperature) if first else baseline_row(n, prompt, base))
+        if progress and first:
             progress(rows[-1])
-    return summary(runtime, rows, spec_stats, gen)
+    if "pipeline" in schedules:
+        runs["pipeline"] = runtime.generate_many([p.text for p in prompts], schedule="pipeline", **gen)
+    return summary(runtime, rows, runs, gen)
+
+
+def baseline_row(n: int, prompt: Prompt, base) -> dict:
+    return {"index": n, "category": prompt.category, "prompt": prompt.text,
+            "baseline_tokens": base.stats.num_generated_tokens, "baseline_s": base.stats.total_s,
+            "baseline_tokens_per_s": base.stats.tokens_per_s, "baseline_ids": base.token_ids}
 
 
 def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
     diverges = first_divergence(base.token_ids, spec.token_ids)
-    return {
-        "index": n, "category": prompt.category, "prompt": prompt.text,
-        "baseline_tokens": base.stats.num_generated_tokens, "baseline_s": base.stats.total_s,
-        "baseline_tokens_per_s": base.stats.tokens_per_s,
+    return baseline_row(n, prompt, base) | {
         "spec_tokens": spec.stats.num_generated_tokens, "spec_s": spec.stats.total_s,
         "spec_tokens_per_s": spec.stats.tokens_per_s, "tau": spec.stats.tau,
         "identical": diverges is None if temperature == 0 else None,
@@ -70,22 +83,56 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
     }
 
 
-def summary(runtime: Runtime, rows: list[dict], spec_stats: list[Stats], gen: dict) -> dict:
+def schedule_row(schedule: str, gens: list, rows: list[dict], base_tps: float, temperature: float) -> dict:
+    stats = [g.stats for g in gens]
+    timelines = {id(s.timeline): s.timeline for s in stats}.values()
+    wall = (gens[0].stats.timeline.wall_s() if schedule == "pipeline" else sum(s.total_s for s in stats))
+    tokens = sum(s.num_generated_tokens for s in stats)
+    draft = sum(t.busy_s("draft") for t in timelines)
+    hidden = sum(t.concurrent_s() for t in timelines)
+    total = merge(stats, stats[0].block_size)
+    steps = sum(s.predraft_steps for s in stats)
+    return {"schedule": schedule, "wall_s": wall, "tokens": tokens, "tau": total.tau,
+            "spec_tokens_per_s": tokens / wall, "speedup": tokens / wall / base_tps,
+            "overlap_fraction": hidden / draft if draft else 0.0,
+            "lossless": (all(g.token_ids == r["baseline_ids"] for g, r in zip(gens, rows))
+                         if temperature == 0 else None),
+            "predraft_hit_rate": sum(s.predraft_hits for s in stats) / steps if steps else None,
+            "draft_to_verify_cost": cost_ratio(timelines),
+            "fallbacks": sum(s.fallback is not None for s in stats)}
+
+
+def cost_ratio(timelines) -> float | None:
+    """Mean draft job over mean verify job: how much a step's draft costs relative to its verify."""
+    spans = [s for t in timelines for s in t.spans]
+    drafts = [s.end - s.start for s in spans if s.name == "draft"]
+    verifies = [s.end - s.start for s in spans if s.name == "verify"]
+    if not drafts or not verifies:
+        return None
+    return (sum(drafts) / len(drafts)) / (sum(verifies) / len(verifies))
+
+
+def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
     base_tok, base_s = sum(r["baseline_tokens"] for r in rows), sum(r["baseline_s"] for r in rows)
-    spec_tok, spec_s = sum(r["spec_tokens"] for r in rows), sum(r["spec_s"] for r in rows)
-    total = merge(spec_stats, runtime.block_size)
-    base_tps, spec_tps = base_tok / base_s, spec_tok / spec_s
+    base_tps = base_tok / base_s
+    schedules = [schedule_row(s, gens, rows, base_tps, gen["temperature"]) for s, gens in runs.items()]
+    main = schedules[0]
+    total = merge([g.stats for g in runs[main["schedule"]]], runtime.block_size)
+    for r in rows:
+        r.pop("baseline_ids")
     return {
         "machine": machine(), "models": runtime.info, "settings": gen, "command": " ".join(sys.argv),
-        "tau": total.tau, "speedup": spec_tps / base_tps,
-        "baseline_tokens_per_s": base_tps, "spec_tokens_per_s": spec_tps,
-        "lossless": all(r["identical"] for r in rows) if gen["temperature"] == 0 else None,
+        "schedule": main["schedule"], "tau": main["tau"], "speedup": main["speedup"],
+        "baseline_tokens_per_s": base_tps, "spec_tokens_per_s": main["spec_tokens_per_s"],
+        "lossless": main["lossless"], "schedules": schedules,
         "acceptance_rate_per_position": total.acceptance_rate_per_position,
         "acceptance_length_histogram": total.acceptance_length_histogram,
         "draft_acceptance_rate": total.draft_acceptance_rate,
         "time_split_s": {"prefill": total.prefill_s, "draft": total.draft_s, "verify": total.verify_s,
                          "other": total.other_s},
         "notes": runtime.notes, "prompts": rows,
+        "timelines": [(f"{s} #{g.stats.request}", g.stats.timeline) for s, gens in runs.items() for g in
+                      (gens if s != "pipeline" else gens[:1])],
     }
 
 
@@ -98,4 +145,3 @@ def merge(stats: list[Stats], block_size: int) -> Stats:
         for name in ("prefill_s", "draft_s", "verify_s", "total_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
     return total
-

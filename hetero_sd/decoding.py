@@ -1,19 +1,38 @@
-"""The decoding loops, written once for every backend (reference §3).
+"""The decoding loops, written once for every backend and schedule (reference §3).
 
-Both loops are generators of `Step`s so that `Runtime.generate` and `Runtime.stream` (and the chat
-app) share them. Invariant of the speculative loop: the anchor (last emitted token) sits at position
-`target.length`; it is in neither the target's cache nor the draft's context yet."""
+Loops are generators of `Step`s so that `Runtime.generate`, `Runtime.stream` and the chat app share
+them. Every backend call goes through a device lane (lanes.py), which runs it on that device's
+thread and records it in the timeline. Invariant of the speculative loops: the anchor (last emitted
+token) sits at position `target.length`; it is in neither the target's cache nor the draft's
+context yet.
+
+Schedules:
+- `sequential`: draft the block, then verify it.
+- `overlap`: while the target verifies block k, the draft device pre-drafts block k+1 for the most
+  likely verification outcomes (see `hypotheses`); a pre-draft whose guess was right is used at once,
+  the others are discarded unread. Pipelining two requests is the other overlap (Runtime.generate_many).
+
+Fault tolerance: if the draft raises or returns non-finite logits, the generation finishes
+autoregressively on the target from the same state, and the stats say so; no token is lost."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Sequence
+
+import torch
 
 from backends.base import DraftBackend, TargetBackend
 
+from .lanes import Lanes
 from .sampling import Sampler, draft_tokens, verify
 from .stats import Stats
+
+SCHEDULES = ("sequential", "overlap")
+MAX_HYPOTHESES = 8
+FAULT = object()  # what a failed pre-draft returns
 
 
 @dataclass
@@ -45,47 +64,201 @@ class Budget:
         return kept
 
 
-def prefill(target: TargetBackend, prompt_ids: Sequence[int], sampler: Sampler, stats: Stats, features: bool):
-    began = time.perf_counter()
-    target.crop(0)
-    out = target.forward(prompt_ids, last_only=True, features=features)
-    first = sampler.sample(out.logits)[0]
-    stats.num_prompt_tokens = len(prompt_ids)
-    stats.prefill_s = stats.ttft_s = time.perf_counter() - began
-    return first, out.features
+@dataclass
+class Request:
+    """Everything one generation needs; the loops below read it and never keep state elsewhere."""
+
+    target: TargetBackend
+    draft: DraftBackend | None
+    prompt_ids: Sequence[int]
+    sampler: Sampler
+    budget: Budget
+    stats: Stats
+    lanes: Lanes
+    rule: str = "match"
 
 
-def autoregressive(target: TargetBackend, prompt_ids: Sequence[int], sampler: Sampler, budget: Budget,
-                   stats: Stats) -> Iterator[Step]:
-    token, _ = prefill(target, prompt_ids, sampler, stats, features=False)
-    yield Step(budget.take([token]))
-    while not budget.done:
-        began = time.perf_counter()
-        token = sampler.sample(target.forward([token], features=False).logits)[0]
-        stats.verify_s += time.perf_counter() - began
-        yield Step(budget.take([token]))
+class DraftFault(RuntimeError):
+    """The draft device failed or produced non-finite logits."""
 
 
-def speculative(target: TargetBackend, draft: DraftBackend, prompt_ids: Sequence[int], sampler: Sampler,
-                budget: Budget, stats: Stats, rule: str = "match") -> Iterator[Step]:
-    anchor, pending = prefill(target, prompt_ids, sampler, stats, features=True)
-    draft.crop(0)
-    yield Step(budget.take([anchor]))
-    while not budget.done:
-        began = time.perf_counter()
-        draft.add_context(pending)
-        drafted, q = draft_tokens(sampler, draft.propose(anchor), rule)
-        draft.synchronize()
-        verifying = time.perf_counter()
-        start = target.length
-        out = target.forward([anchor] + drafted, features=True)
-        verdict = verify(sampler, out.logits, drafted, q, rule)
-        keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
-        target.crop(start + keep)
-        pending = out.features[:keep]
-        target.synchronize()
-        stats.draft_s += verifying - began
-        stats.verify_s += time.perf_counter() - verifying
-        stats.record_step(len(drafted), verdict.accepted)
+def checked(logits: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(logits).all():
+        raise DraftFault("the draft produced non-finite logits (NaN or inf)")
+    return logits
+
+
+def prefill(r: Request, features: bool):
+    def run():
+        r.target.crop(0)
+        return r.target.forward(r.prompt_ids, last_only=True, features=features)
+    out = r.lanes.target("prefill", run)
+    r.stats.num_prompt_tokens = len(r.prompt_ids)
+    return r.sampler.sample(out.logits)[0], out.features
+
+
+def autoregressive(r: Request) -> Iterator[Step]:
+    token, _ = prefill(r, features=False)
+    yield Step(r.budget.take([token]))
+    yield from finish_autoregressive(r, token)
+
+
+def finish_autoregressive(r: Request, token: int) -> Iterator[Step]:
+    """Plain decoding from a state where `token` is emitted but not yet in the target's cache."""
+    while not r.budget.done:
+        logits = r.lanes.target("decode", lambda: r.target.forward([token], features=False).logits)
+        token = r.sampler.sample(logits)[0]
+        r.lanes.step += 1
+        yield Step(r.budget.take([token]))
+
+
+def on_draft(r: Request, label: str, job):
+    """Run a draft job; on a fault, record it (stats and an announced note) and return None."""
+    try:
+        return r.lanes.draft(label, job)
+    except Exception as e:  # any device error: CUDA, Core ML, NaN... the target finishes the job
+        fault(r, e)
+        return None
+
+
+def fault(r: Request, e: Exception) -> None:
+    r.stats.fallback = f"{type(e).__name__}: {e}"
+    r.stats.notes.append(f"the draft on {r.lanes.draft_lane.device} failed at step {r.lanes.step} "
+                         f"({r.stats.fallback}); finishing this generation autoregressively on the target")
+
+
+def first_block(r: Request, anchor: int, context: torch.Tensor) -> torch.Tensor | None:
+    def run():
+        r.draft.crop(0)
+        r.draft.add_context(context)
+        return checked(r.draft.propose(anchor))
+    return on_draft(r, "draft", run)
+
+
+def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
+    """Verify the drafted block in one target forward (`launch` submits it, for the overlap schedule);
+    crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
+    drafted, q = draft_tokens(r.sampler, logits, r.rule)
+    start = r.target.length
+    if launch is None:
+        out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
+    else:
+        out = launch(drafted).result()
+    verdict = verify(r.sampler, out.logits, drafted, q, r.rule)
+    keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
+    r.target.crop(start + keep)
+    r.stats.record_step(len(drafted), verdict.accepted)
+    r.lanes.step += 1
+    return Step(r.budget.take(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
+
+
+def speculative(r: Request) -> Iterator[Step]:
+    anchor, context = prefill(r, features=True)
+    yield Step(r.budget.take([anchor]))
+    logits = first_block(r, anchor, context)
+    while not r.budget.done:
+        if logits is None:
+            yield from finish_autoregressive(r, anchor)
+            return
+        step, verdict, context = verify_block(r, anchor, logits)
         anchor = verdict.tokens[-1]
-        yield Step(budget.take(verdict.tokens), verdict.accepted, len(drafted))
+        yield step
+        if not r.budget.done:
+            logits = on_draft(r, "draft", partial(next_block, r.draft, context, anchor, None))
+
+
+def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: torch.Tensor | None) -> torch.Tensor:
+    """Extend the draft's context with the verified positions, then the next block: pre-drafted or fresh."""
+    draft.add_context(context)
+    return checked(ready if ready is not None else draft.propose(anchor))
+
+
+def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:
+    anchor, context = prefill(r, features=True)
+    yield Step(r.budget.take([anchor]))
+    logits, pace = first_block(r, anchor, context), Pace()
+    while not r.budget.done:
+        if logits is None:
+            yield from finish_autoregressive(r, anchor)
+            return
+        jobs = {}
+
+        def launch(drafted, anchor=anchor, start=r.target.length, logits=logits):
+            jobs["began"] = time.perf_counter()
+            verifying = r.lanes.submit("target", "verify", partial(r.target.forward, [anchor] + drafted))
+            guesses = hypotheses(logits, drafted, max_hypotheses)  # computed while the target works
+            jobs["predraft"] = r.lanes.submit("draft", "predraft", partial(
+                predraft, r.draft, guesses, start, verifying, pace, jobs["began"]))
+            return verifying
+
+        step, verdict, context = verify_block(r, anchor, logits, launch)
+        pace.verify_s = pace.mix(pace.verify_s, time.perf_counter() - jobs["began"])
+        anchor = verdict.tokens[-1]
+        ready = on_predraft(r, jobs["predraft"], (verdict.accepted, anchor))
+        yield step
+        if ready is FAULT:
+            yield from finish_autoregressive(r, anchor)
+            return
+        if not r.budget.done:
+            logits = on_draft(r, "draft", partial(next_block, r.draft, context, anchor, ready))
+
+
+def on_predraft(r: Request, future, outcome: tuple[int, int]):
+    """The pre-drafted block for what verification decided, None on a miss, FAULT on a draft fault."""
+    try:
+        blocks = future.result()
+    except Exception as e:
+        fault(r, e)
+        return FAULT
+    r.stats.predraft_guesses += len(blocks)
+    r.stats.predraft_steps += 1
+    hit = blocks.get(outcome)
+    r.stats.predraft_hits += hit is not None
+    return hit
+
+
+def hypotheses(logits: torch.Tensor, drafted: list[int], limit: int) -> list[tuple[int, int]]:
+    """The likeliest verification outcomes (j drafts accepted, bonus token c) under the draft's own
+    distribution: P ~ prod_{i<j} q_i(d_i) * q_j(c) with c != d_j, where d are the drafted tokens.
+    Full acceptance is left out: the block has no prediction for the token after it."""
+    logp = logits.float().log_softmax(-1)
+    n, drafted = logp.shape[0], torch.tensor(drafted)
+    rows = torch.arange(n)
+    prefix = torch.cat([torch.zeros(1), logp[rows, drafted].cumsum(0)[:-1]])
+    others = logp.index_put((rows, drafted), torch.tensor(float("-inf")))
+    k = min(limit, others.shape[-1] - 1)
+    top = others.topk(k, -1)
+    best = (prefix[:, None] + top.values).flatten().topk(min(limit, n * k)).indices
+    return [(int(i // k), int(top.indices[i // k, i % k])) for i in best]
+
+
+class Pace:
+    """Running estimates of a verify and of one pre-draft, so that pre-drafting stops in time: a guess
+    still running when verification ends would delay the next step on a miss."""
+
+    def __init__(self):
+        self.verify_s: float | None = None
+        self.guess_s: float | None = None
+
+    @staticmethod
+    def mix(old: float | None, new: float) -> float:
+        return new if old is None else 0.7 * old + 0.3 * new
+
+    def fits(self, verify_began: float) -> bool:
+        if self.verify_s is None or self.guess_s is None:
+            return True
+        return time.perf_counter() + self.guess_s <= verify_began + self.verify_s
+
+
+def predraft(draft: DraftBackend, guesses: list[tuple[int, int]], start: int, verifying, pace: Pace,
+             verify_began: float) -> dict:
+    """Draft the next block for each guessed outcome, likeliest first, while verification runs.
+    Context is lagged: the draft has features only up to `start`; the block sits at its true position."""
+    blocks = {}
+    for accepted, bonus in guesses:
+        if verifying.done() or not pace.fits(verify_began):
+            break
+        began = time.perf_counter()
+        blocks[(accepted, bonus)] = draft.propose(bonus, position=start + accepted + 1)
+        pace.guess_s = pace.mix(pace.guess_s, time.perf_counter() - began)
+    return blocks

@@ -38,3 +38,7 @@ class DeviceUnavailableError(HeteroSDError):
 
 class PromptTooLongError(HeteroSDError):
     pass
+
+
+class DeviceFailedError(HeteroSDError):
+    """A device raised or returned non-finite values where no fallback can finish the job."""

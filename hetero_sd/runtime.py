@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from importlib import resources
 from dataclasses import dataclass, field
@@ -19,7 +21,9 @@ from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
 from .devices import check_device
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
-from .errors import ConfigError, PromptTooLongError
+from .errors import ConfigError, DeviceFailedError, PromptTooLongError
+from .lanes import Lane, Lanes
+from .timeline import Timeline
 from .pairing import check_pair, feature_layers
 from .sampling import RULES, Sampler, SamplingParams, draft_tokens
 from .sources import resolve_folder, resolve_target
@@ -27,6 +31,7 @@ from .stats import Stats
 from .weights import load_weights, take
 
 Prompt = str | Sequence[int] | Sequence[dict]
+SCHEDULES = decoding.SCHEDULES + ("pipeline",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANDOM_DRAFT_LAYERS = 2
 
@@ -71,10 +76,13 @@ class TextStream:
 
 class Runtime:
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
-                 info: dict):
+                 info: dict, schedule: str = "sequential"):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
+        self.schedule = check_schedule(schedule)
+        self.target_lane = Lane("target", target.device)
+        self.draft_lane = Lane("draft", draft.device if draft else target.device)
 
     @property
     def block_size(self) -> int:
@@ -98,23 +106,36 @@ class Runtime:
         """Yield one event per verify step (per token without a draft). The last event's stats are final.
 
         Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-        speculative=True (False: the autoregressive baseline on the same backend), rule="match"."""
+        speculative=True (False: the autoregressive baseline on the same backend), rule="match",
+        schedule=None (the runtime's: "sequential" or "overlap"), timeline=None (record into this one)."""
         prompt_ids, notes = self.encode(prompt, chat)
         return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def run(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-            speculative: bool = True, rule: str = "match") -> Iterator[StreamEvent]:
+            speculative: bool = True, rule: str = "match", schedule: str | None = None,
+            timeline: Timeline | None = None, request: int = 0, target=None, draft=None) -> Iterator[StreamEvent]:
         if rule not in RULES:
             raise ConfigError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
+        schedule = check_schedule(schedule or self.schedule)
+        schedule = "overlap" if schedule == "overlap" else "sequential"  # one request: nothing to pipeline
         use_draft = speculative and self.draft is not None
         self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
-                      block_size=self.block_size if use_draft else 1, notes=self.notes + notes)
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p), seed)
-        budget = decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats)
-        steps = (decoding.speculative(self.target, self.draft, prompt_ids, sampler, budget, stats, rule)
-                 if use_draft else decoding.autoregressive(self.target, prompt_ids, sampler, budget, stats))
+                      schedule=schedule if use_draft else "sequential",
+                      block_size=self.block_size if use_draft else 1, notes=self.notes + notes,
+                      timeline=timeline or Timeline(), request=request)
+        lanes = Lanes(self.target_lane, self.draft_lane, stats.timeline, request)
+        req = decoding.Request(target or self.target, (draft or self.draft) if use_draft else None, prompt_ids,
+                               Sampler(SamplingParams(temperature, top_k, top_p), seed),
+                               decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats),
+                               stats, lanes, rule)
+        if not use_draft:
+            steps = decoding.autoregressive(req)
+        elif schedule == "overlap":
+            steps = decoding.overlapped(req)
+        else:
+            steps = decoding.speculative(req)
         return self.events(steps, stats)
 
     def events(self, steps, stats: Stats) -> Iterator[StreamEvent]:
@@ -122,30 +143,60 @@ class Runtime:
         began = time.perf_counter()
         for step in steps:
             stats.total_s = time.perf_counter() - began
+            stats.ttft_s = stats.ttft_s or stats.total_s
+            stats.close()
             yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
 
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                  **kwargs) -> Generation:
         """Generate to the end; keyword arguments as for `stream`."""
         prompt_ids, notes = self.encode(prompt, chat)
-        ids, stats = [], None
-        for event in self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs):
-            ids += event.token_ids
-            stats = event.stats
-        return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
+        return self.collect(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def draft_step(self, prompt_ids: Sequence[int]) -> DraftStep:
         """The first block after prefill (greedy anchor), for experiments on the draft alone."""
         if self.draft is None:
             raise ConfigError("this runtime has no draft", "load it with draft=... to use draft_step")
         self.check_length(len(prompt_ids), 1, self.block_size)
-        sampler = Sampler(SamplingParams())
-        anchor, features = decoding.prefill(self.target, list(prompt_ids), sampler, Stats(), features=True)
-        self.draft.crop(0)
-        self.draft.add_context(features)
-        logits = self.draft.propose(anchor)
-        tokens, _ = draft_tokens(sampler, logits, "match")
+        stats = Stats(timeline=Timeline())
+        req = decoding.Request(self.target, self.draft, list(prompt_ids), Sampler(SamplingParams()),
+                               decoding.Budget(1, [], stats), stats, self.lanes(stats.timeline))
+        anchor, features = decoding.prefill(req, features=True)
+        logits = decoding.first_block(req, anchor, features)
+        if logits is None:
+            raise DeviceFailedError(f"the draft failed on its first block: {stats.fallback}",
+                                    "check the draft device (`hetero-sd devices`) and the draft's weights")
+        tokens, _ = draft_tokens(req.sampler, logits, "match")
         return DraftStep(anchor, tokens, logits.float().cpu().numpy())
+
+    def lanes(self, timeline: Timeline, request: int = 0) -> Lanes:
+        return Lanes(self.target_lane, self.draft_lane, timeline, request)
+
+    def generate_many(self, prompts: Sequence[Prompt], *, schedule: str = "pipeline", chat: bool = True,
+                      **kwargs) -> list[Generation]:
+        """Generate for several prompts. "pipeline" runs two requests at once, so that one drafts on the
+        draft device while the other verifies on the target device; others run one after another.
+        All generations share one timeline (stats.timeline) with a request number each."""
+        encoded = [self.encode(p, chat) for p in prompts]
+        timeline = Timeline()
+        jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, None), request=n)
+                for n, (p, (ids, notes)) in enumerate(zip(prompts, encoded))]
+        if schedule != "pipeline" or self.draft is None or len(jobs) < 2:
+            return [self.collect(timeline=timeline, schedule=None if schedule == "pipeline" else schedule,
+                                 **job, **kwargs) for job in jobs]
+        return pipelined(self, jobs, timeline, kwargs)
+
+    def collect(self, prompt_ids, notes, stop_at_eos, **kwargs) -> Generation:
+        ids, stats = [], None
+        for event in self.run(prompt_ids, notes, stop_at_eos, **kwargs):
+            ids += event.token_ids
+            stats = event.stats
+        return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
+
+    def close(self) -> None:
+        """Stop the device threads (they also stop at interpreter exit)."""
+        self.target_lane.close()
+        self.draft_lane.close()
 
     def check_length(self, prompt_len: int, max_new_tokens: int, block: int) -> None:
         need = prompt_len + max_new_tokens + block
@@ -154,6 +205,46 @@ class Runtime:
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + block {block} needs "
                 f"{need} positions; the target's context is {self.target.max_context}",
                 "shorten the prompt or lower max_new_tokens")
+
+
+def pipelined(rt: Runtime, jobs: list[dict], timeline: Timeline, kwargs: dict) -> list[Generation]:
+    """Two request threads, each with its own KV caches over the shared weights, take prompts in turn.
+    The lanes serialise each device, so the two requests interleave: A verifies while B drafts."""
+    results: list[Generation | None] = [None] * len(jobs)
+    queue = list(reversed(jobs))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(target, draft):
+        while not errors:
+            with lock:
+                if not queue:
+                    return
+                job = queue.pop()
+            try:
+                results[job["request"]] = rt.collect(timeline=timeline, schedule="sequential", target=target,
+                                                     draft=draft, **job, **kwargs)
+            except BaseException as e:  # re-raised in the caller's thread
+                errors.append(e)
+
+    second_target = rt.target.fork()
+    pairs = [(rt.target, rt.draft), (second_target, rt.draft.fork(second_target))]
+    threads = [threading.Thread(target=worker, args=pair, name=f"hetero-sd-request-{i}") for i, pair in enumerate(pairs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for g in results:
+        g.stats.schedule = "pipeline"
+    return results
+
+
+def check_schedule(schedule: str) -> str:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+    return schedule
 
 
 def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
@@ -174,17 +265,22 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
 
 
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
-         draft_device: str | None = None, dtype=None, block_size: int | None = None,
-         max_context: int | None = None) -> Runtime:
+         draft_device: str | None = None, schedule: str = "sequential", dtype=None, block_size: int | None = None,
+         max_context: int | None = None, cpu_threads: int | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
 
     target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default" (for the draft:
     the one shipped for the default target; where none ships, decoding is autoregressive and the
-    stats say so). draft=None: no draft. draft="random": an untrained draft of the right shape."""
+    stats say so). draft=None: no draft. draft="random" (or "random:N" for N layers): an untrained
+    draft of the right shape, for measuring costs and the machinery.
+    schedule: "sequential", "overlap" (pre-draft the next block during verification) or "pipeline"
+    (generate_many runs two requests at once). cpu_threads: torch CPU threads per lane; by default,
+    when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced)."""
     from transformers import AutoTokenizer
 
     target_device = check_device(target_device)
     draft_device = check_device(draft_device or target_device)
+    check_schedule(schedule)
     folder = resolve_target(target)
     tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -194,7 +290,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if draft is None:
         t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
                                       max_context=max_context)
-        return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
+        return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer)
     layer_ids = feature_layers(dcfg, tcfg, take(tensors, "fc.weight", None, dfolder or draft).shape[1])
@@ -210,8 +306,22 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                   layer_ids, max_context)
     d = torch_backend.load_draft(dfolder, dcfg, t, draft_device, resolve_dtype(dtype, draft_device), mask, tensors)
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
-                target_layer_ids=layer_ids, mask_token_id=mask)
-    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info)
+                target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
+    set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
+    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
+
+
+def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draft_device: str,
+                    notes: list[str]) -> None:
+    """Two lanes on the CPU at once must split the cores: two torch thread pools each as wide as the
+    machine slow each other down many times over (measured 10-25x on 2 cores)."""
+    if threads is None and schedule != "sequential" and target_device == draft_device == "cpu":
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        if torch.get_num_threads() > threads:
+            notes.append(f"target and draft both on the CPU under the {schedule} schedule: "
+                         f"torch uses {threads} thread(s) per lane so they do not oversubscribe the cores")
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def default_draft(draft: str | None, target: str, notes: list[str]) -> str | None:
@@ -229,8 +339,9 @@ def default_draft(draft: str | None, target: str, notes: list[str]) -> str | Non
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer) -> tuple[DraftConfig, dict, Path | None]:
-    if draft == "random":
-        raw = draft_config(tcfg, num_layers=RANDOM_DRAFT_LAYERS, block_size=16,
+    if draft == "random" or draft.startswith("random:"):
+        layers = random_layers(draft)
+        raw = draft_config(tcfg, num_layers=layers, block_size=16,
                            mask_token_id=pick_mask_token(tokenizer))
         tensors = {k: v.to(torch.bfloat16).float() for k, v in random_draft_tensors(raw).items()}
         return DraftConfig.from_dict(raw), tensors, None
@@ -239,6 +350,13 @@ def draft_source(draft: str, tcfg: ArchConfig, tokenizer) -> tuple[DraftConfig, 
     if dcfg.arch.hidden_size != tcfg.hidden_size:  # say "mismatch" before any shape error in the weights
         check_pair(dcfg, tcfg, dcfg.mask_token_id)
     return dcfg, load_weights(dfolder), dfolder
+
+
+def random_layers(draft: str) -> int:
+    count = draft.partition(":")[2] or str(RANDOM_DRAFT_LAYERS)
+    if not count.isdigit() or int(count) < 1:
+        raise ConfigError(f"bad random draft {draft!r}", "use 'random' or 'random:N' with N >= 1 layers")
+    return int(count)
 
 
 def stop_ids(cfg: ArchConfig, tokenizer, folder: Path) -> list[int]:

@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .timeline import Timeline
+
 
 @dataclass
 class Stats:
     mode: str = "speculative"  # or "autoregressive"
+    schedule: str = "sequential"  # or "overlap", "pipeline"
     block_size: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
@@ -24,7 +27,13 @@ class Stats:
     verify_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+    fallback: str | None = None  # why the draft was dropped mid-generation (the target finished alone)
+    predraft_steps: int = 0  # overlap schedule: verify steps during which the draft pre-drafted
+    predraft_guesses: int = 0  # pre-drafted blocks (one per guessed outcome)
+    predraft_hits: int = 0  # steps whose next block was ready when verification ended
     notes: list[str] = field(default_factory=list)  # announced fallbacks and other events
+    timeline: Timeline | None = field(default=None, repr=False)  # per-device spans of this generation
+    request: int = 0  # which request of the timeline is this one (pipelined runs share a timeline)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -67,9 +76,27 @@ class Stats:
     def other_s(self) -> float:
         return max(self.total_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
 
+    @property
+    def predraft_hit_rate(self) -> float:
+        return self.predraft_hits / self.predraft_steps if self.predraft_steps else 0.0
+
+    def close(self) -> None:
+        """Derive the device times from the timeline once the generation is over."""
+        if self.timeline is None:
+            return
+        spans = [s for s in self.timeline.spans if s.request == self.request]
+        self.prefill_s = sum(s.end - s.start for s in spans if s.name == "prefill")
+        self.draft_s = sum(s.end - s.start for s in spans if s.lane == "draft")
+        self.verify_s = sum(s.end - s.start for s in spans if s.lane == "target") - self.prefill_s
+
     def to_dict(self) -> dict:
+        timeline = self.timeline
+        self.timeline = None  # spans go to traces, not into every stats dict
         d = asdict(self)
+        self.timeline = timeline
         d.pop("accepted_per_step")
+        d["timeline"] = timeline.summary() if timeline else None
+        d["predraft_hit_rate"] = self.predraft_hit_rate
         d.update(mean_acceptance_length=self.mean_acceptance_length, tau=self.tau,
                  draft_acceptance_rate=self.draft_acceptance_rate,
                  acceptance_rate_per_position=self.acceptance_rate_per_position,

@@ -3,6 +3,7 @@ the block [anchor, mask, ...] denoised in one non-causal pass through the target
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -50,13 +51,19 @@ class TorchDraft(CacheOwner, DraftBackend):
             self.cache.write(i, start, k, v)
         self.cache.length = start + count
 
+    def fork(self, target) -> "TorchDraft":
+        twin = copy.copy(self)
+        twin.cache = self.cache.empty_like()
+        return twin
+
     @torch.inference_mode()
-    def propose(self, anchor: int) -> torch.Tensor:
+    def propose(self, anchor: int, position: int | None = None) -> torch.Tensor:
         start, eps = self.cache.length, self.arch.rms_norm_eps
         ids = torch.full((1, self.block_size), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
         h = F.embedding(ids, self.embed)
-        cos, sin = self.rope.at(start, self.block_size)
+        # Cache slots follow the context; RoPE carries the true positions (the block is non-causal).
+        cos, sin = self.rope.at(start if position is None else position, self.block_size)
         for i, block in enumerate(self.blocks):
             q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
             # The block's K/V go after the context and are never kept (length is not advanced).

@@ -68,12 +68,15 @@ class KVCache:
     """Per-layer K/V for positions [0, capacity); grows by doubling, crops by moving `length`."""
 
     def __init__(self, cfg: ArchConfig, num_layers: int, device, dtype, limit: int):
-        self.shape = (1, cfg.num_key_value_heads, 0, cfg.head_dim)
+        self.cfg, self.shape = cfg, (1, cfg.num_key_value_heads, 0, cfg.head_dim)
         self.num_layers, self.device, self.dtype, self.limit = num_layers, device, dtype, limit
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.length = 0
         self.reserve(256)
+
+    def empty_like(self) -> "KVCache":
+        return KVCache(self.cfg, self.num_layers, self.device, self.dtype, self.limit)
 
     def reserve(self, n: int) -> None:
         have = self.k[0].shape[2] if self.k else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Sequence
 
@@ -31,6 +32,11 @@ class TorchTarget(CacheOwner, TargetBackend):
                        for i in range(cfg.num_hidden_layers)]
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
+
+    def fork(self) -> "TorchTarget":
+        twin = copy.copy(self)
+        twin.cache = self.cache.empty_like()
+        return twin
 
     @property
     def length(self) -> int:

@@ -1,0 +1,58 @@
+"""Device lanes: one worker thread per device, so the target and the draft can run at the same time.
+
+Every backend call goes through its lane, which runs it on the lane's own thread and records a span
+in the generation's timeline. A lane runs one job at a time, so a backend is never entered by two
+threads at once; two lanes run concurrently (torch and MLX release the GIL inside their kernels).
+The thread is also what device-affine runtimes (CUDA streams, MLX, Core ML) like: a device's work
+always comes from the same thread."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from .timeline import Timeline
+
+
+class Lane:
+    def __init__(self, name: str, device: str):
+        self.name, self.device = name, device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
+
+    def submit(self, job: Callable, timeline: Timeline, label: str, request: int, step: int) -> Future:
+        def timed():
+            began = time.perf_counter()
+            try:
+                return job()
+            finally:
+                timeline.record(self.name, label, began, time.perf_counter(), request, step)
+        return self.pool.submit(timed)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+@dataclass
+class Lanes:
+    """The two lanes as one generation sees them: its timeline, its request number, its step."""
+
+    target_lane: Lane
+    draft_lane: Lane
+    timeline: Timeline
+    request: int = 0
+    step: int = 0
+
+    def __post_init__(self):
+        self.timeline.devices.update(target=self.target_lane.device, draft=self.draft_lane.device)
+
+    def submit(self, lane: str, label: str, job: Callable) -> Future:
+        which = self.target_lane if lane == "target" else self.draft_lane
+        return which.submit(job, self.timeline, label, self.request, self.step)
+
+    def target(self, label: str, job: Callable):
+        return self.submit("target", label, job).result()
+
+    def draft(self, label: str, job: Callable):
+        return self.submit("draft", label, job).result()
