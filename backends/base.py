@@ -65,10 +65,11 @@ class DraftBackend(ABC):
         """Append context features [T, L*H] for the next T positions."""
 
     @abstractmethod
-    def propose(self, anchor: int, position: int | None = None) -> torch.Tensor:
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
         """Fill [anchor, mask * (B-1)] in one pass: float32 logits [B-1, vocab] for block positions 1...
         The anchor sits at `position` (default: right after the context). A later position drafts on a
-        lagged context, for pre-drafting while the positions in between are still being verified."""
+        lagged context, for pre-drafting while the positions in between are still being verified.
+        `size` (default block_size) may be smaller: fewer mask positions, for adaptive block sizes."""
 
     @abstractmethod
     def crop(self, length: int) -> None:

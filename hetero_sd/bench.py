@@ -40,9 +40,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
-              seed: int = 0, rule: str = "match", schedules: Sequence[str] = ("sequential",), progress=None) -> dict:
-    """Baseline and each schedule on the same prompts. Per-prompt schedules alternate with the baseline
-    prompt by prompt; "pipeline" (two requests at once) runs the whole set after them."""
+              seed: int = 0, rule: str = "match", schedules: Sequence[str] = ("sequential",),
+              blocks: Sequence = (None,), progress=None) -> dict:
+    """Baseline and each (schedule, block setting) on the same prompts. Per-prompt schedules alternate
+    with the baseline prompt by prompt; "pipeline" (two requests at once) runs the whole set after them.
+    blocks: None (the runtime's), a size, or "adaptive"; pipeline runs with the first."""
     if runtime.draft is None:
         raise ConfigError("bench needs a draft and none is loaded", "load one with draft=FOLDER or draft='random'")
     for schedule in schedules:
@@ -50,18 +52,19 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, rule=rule)
     for speculative in (False, True):  # warm-up: first calls pay for allocation and kernel selection
         runtime.generate(WARMUP, max_new_tokens=8, speculative=speculative, schedule=schedules[0])
-    single = [s for s in schedules if s != "pipeline"]
-    rows, runs = [], {s: [] for s in schedules}
+    single = [(s, b) for s in schedules if s != "pipeline" for b in blocks]
+    rows, runs = [], {key: [] for key in single}
     for n, prompt in enumerate(prompts):
         base = runtime.generate(prompt.text, speculative=False, **gen)
-        for schedule in single:
-            runs[schedule].append(runtime.generate(prompt.text, schedule=schedule, **gen))
+        for schedule, block in single:
+            runs[schedule, block].append(runtime.generate(prompt.text, schedule=schedule, block=block, **gen))
         first = runs[single[0]][-1] if single else None
         rows.append(row(n, prompt, base, first, temperature) if first else baseline_row(n, prompt, base))
         if progress and first:
             progress(rows[-1])
     if "pipeline" in schedules:
-        runs["pipeline"] = runtime.generate_many([p.text for p in prompts], schedule="pipeline", **gen)
+        runs["pipeline", blocks[0]] = runtime.generate_many([p.text for p in prompts], schedule="pipeline",
+                                                            block=blocks[0], **gen)
     return summary(runtime, rows, runs, gen)
 
 
@@ -83,23 +86,25 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
     }
 
 
-def schedule_row(schedule: str, gens: list, rows: list[dict], base_tps: float, temperature: float) -> dict:
+def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temperature: float) -> dict:
+    schedule, block = key
     stats = [g.stats for g in gens]
     timelines = {id(s.timeline): s.timeline for s in stats}.values()
     wall = (gens[0].stats.timeline.wall_s() if schedule == "pipeline" else sum(s.total_s for s in stats))
     tokens = sum(s.num_generated_tokens for s in stats)
     draft = sum(t.busy_s("draft") for t in timelines)
     hidden = sum(t.concurrent_s() for t in timelines)
-    total = merge(stats, stats[0].block_size)
+    total = merge(gens, stats[0].block_size)
     steps = sum(s.predraft_steps for s in stats)
-    return {"schedule": schedule, "wall_s": wall, "tokens": tokens, "tau": total.tau,
+    return {"schedule": schedule, "block": block or "fixed", "wall_s": wall, "tokens": tokens, "tau": total.tau,
             "spec_tokens_per_s": tokens / wall, "speedup": tokens / wall / base_tps,
             "overlap_fraction": hidden / draft if draft else 0.0,
             "lossless": (all(g.token_ids == r["baseline_ids"] for g, r in zip(gens, rows))
                          if temperature == 0 else None),
             "predraft_hit_rate": sum(s.predraft_hits for s in stats) / steps if steps else None,
             "draft_to_verify_cost": cost_ratio(timelines),
-            "fallbacks": sum(s.fallback is not None for s in stats)}
+            "fallbacks": sum(s.fallback is not None for s in stats),
+            "block_size_histogram": total.block_size_histogram}
 
 
 def cost_ratio(timelines) -> float | None:
@@ -115,9 +120,9 @@ def cost_ratio(timelines) -> float | None:
 def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
     base_tok, base_s = sum(r["baseline_tokens"] for r in rows), sum(r["baseline_s"] for r in rows)
     base_tps = base_tok / base_s
-    schedules = [schedule_row(s, gens, rows, base_tps, gen["temperature"]) for s, gens in runs.items()]
+    schedules = [schedule_row(key, gens, rows, base_tps, gen["temperature"]) for key, gens in runs.items()]
     main = schedules[0]
-    total = merge([g.stats for g in runs[main["schedule"]]], runtime.block_size)
+    total = merge(next(iter(runs.values())), runtime.block_size)
     for r in rows:
         r.pop("baseline_ids")
     return {
@@ -131,16 +136,16 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
         "time_split_s": {"prefill": total.prefill_s, "draft": total.draft_s, "verify": total.verify_s,
                          "other": total.other_s},
         "notes": runtime.notes, "prompts": rows,
-        "timelines": [(f"{s} #{g.stats.request}", g.stats.timeline) for s, gens in runs.items() for g in
-                      (gens if s != "pipeline" else gens[:1])],
+        "timelines": [(f"{s} block {b or 'fixed'} #{g.stats.request}", g.stats.timeline)
+                      for (s, b), gens in runs.items() for g in (gens if s != "pipeline" else gens[:1])],
     }
 
 
-def merge(stats: list[Stats], block_size: int) -> Stats:
+def merge(gens: list, block_size: int) -> Stats:
     total = Stats(block_size=block_size)
-    for s in stats:
-        for a in s.accepted_per_step:
-            total.record_step(block_size - 1, a)
+    for s in (g.stats for g in gens):
+        for d, a in zip(s.drafted_per_step, s.accepted_per_step):
+            total.record_step(d, a)
         total.num_generated_tokens += s.num_generated_tokens
         for name in ("prefill_s", "draft_s", "verify_s", "total_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))

@@ -22,7 +22,8 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
     p.add_argument("--draft-device", default=None, help="defaults to the target device")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
-    p.add_argument("--block-size", type=int, default=None, help="override the draft's block size")
+    p.add_argument("--block-size", type=block_arg, default=None,
+                   help="override the draft's block size, or 'adaptive' (chosen per step from acceptance and cost)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per lane (default: all cores; half each when both lanes share the CPU "
                         "and a schedule runs them at once)")
@@ -36,6 +37,15 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rule", choices=["match", "rejection"], default="match",
                    help="acceptance rule at temperature > 0 (both are lossless)")
+
+
+def block_arg(value: str) -> int | str:
+    if value == "adaptive":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'adaptive'") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,6 +73,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results to this file")
     b.add_argument("--schedule", default="sequential",
                    help="comma-separated schedules run on the same prompts: sequential, overlap, pipeline")
+    b.add_argument("--blocks", default=None,
+                   help="comma-separated block settings compared in one run, e.g. 16,8,4,adaptive")
     b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")
 
     from .train.command import add_parser as add_train_parser
@@ -128,7 +140,8 @@ def cmd_bench(args) -> None:
 
     res = run_bench(rt, prompts, progress=progress, **{k: v for k, v in sampling(args).items()
                                                        if k in ("max_new_tokens", "temperature", "rule")},
-                    seed=args.seed or 0, schedules=schedules)
+                    seed=args.seed or 0, schedules=schedules,
+                    blocks=[block_arg(b.strip()) for b in args.blocks.split(",")] if args.blocks else (None,))
     timelines = res.pop("timelines")
     print_bench(res)
     if args.trace:
@@ -151,17 +164,17 @@ def print_bench(res: dict) -> None:
     t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
               f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
     Console().print(t)
-    if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":
+    if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
         print_schedules(res)
 
 
 def print_schedules(res: dict) -> None:
     t = Table(title="schedules (same prompts, same process)")
-    for col in ("schedule", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
+    for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
         t.add_column(col, justify="right")
     for r in res["schedules"]:
         hits = "" if r["predraft_hit_rate"] is None else f"{r['predraft_hit_rate']:.0%}"
-        t.add_row(r["schedule"], f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+        t.add_row(r["schedule"], str(r["block"]), f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
                   f"{r['tau']:.2f}", f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
     Console().print(t)
 

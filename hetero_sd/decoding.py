@@ -26,6 +26,7 @@ import torch
 
 from backends.base import DraftBackend, TargetBackend
 
+from .adaptive import AdaptiveBlock, FixedBlock
 from .lanes import Lanes
 from .sampling import Sampler, draft_tokens, verify
 from .stats import Stats
@@ -76,6 +77,11 @@ class Request:
     stats: Stats
     lanes: Lanes
     rule: str = "match"
+    blocks: FixedBlock | AdaptiveBlock | None = None  # block size per step (None: the draft's own)
+    draft_s: float = 0.0  # the current block's draft time, for the block-size policy
+
+    def block(self) -> int:
+        return self.blocks.choose() if self.blocks else self.draft.block_size
 
 
 class DraftFault(RuntimeError):
@@ -130,9 +136,15 @@ def fault(r: Request, e: Exception) -> None:
 def first_block(r: Request, anchor: int, context: torch.Tensor) -> torch.Tensor | None:
     def run():
         r.draft.crop(0)
-        r.draft.add_context(context)
-        return checked(r.draft.propose(anchor))
-    return on_draft(r, "draft", run)
+        return next_block(r.draft, context, anchor, None, r.block())
+    return timed_draft(r, run)
+
+
+def timed_draft(r: Request, job) -> torch.Tensor | None:
+    began = time.perf_counter()
+    logits = on_draft(r, "draft", job)
+    r.draft_s = time.perf_counter() - began
+    return logits
 
 
 def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
@@ -140,6 +152,7 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
     drafted, q = draft_tokens(r.sampler, logits, r.rule)
     start = r.target.length
+    began = time.perf_counter()
     if launch is None:
         out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
     else:
@@ -148,6 +161,8 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
     r.target.crop(start + keep)
     r.stats.record_step(len(drafted), verdict.accepted)
+    if r.blocks:
+        r.blocks.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
     r.lanes.step += 1
     return Step(r.budget.take(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
@@ -164,13 +179,14 @@ def speculative(r: Request) -> Iterator[Step]:
         anchor = verdict.tokens[-1]
         yield step
         if not r.budget.done:
-            logits = on_draft(r, "draft", partial(next_block, r.draft, context, anchor, None))
+            logits = timed_draft(r, partial(next_block, r.draft, context, anchor, None, r.block()))
 
 
-def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: torch.Tensor | None) -> torch.Tensor:
+def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: torch.Tensor | None,
+               size: int | None = None) -> torch.Tensor:
     """Extend the draft's context with the verified positions, then the next block: pre-drafted or fresh."""
     draft.add_context(context)
-    return checked(ready if ready is not None else draft.propose(anchor))
+    return checked(ready if ready is not None else draft.propose(anchor, size=size))
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:

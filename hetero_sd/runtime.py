@@ -21,6 +21,7 @@ from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
 from .devices import check_device
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
+from .adaptive import AdaptiveBlock, FixedBlock
 from .errors import ConfigError, DeviceFailedError, PromptTooLongError
 from .lanes import Lane, Lanes
 from .timeline import Timeline
@@ -76,11 +77,13 @@ class TextStream:
 
 class Runtime:
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
-                 info: dict, schedule: str = "sequential"):
+                 info: dict, schedule: str = "sequential", block: str | int = "fixed"):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
         self.schedule = check_schedule(schedule)
+        self.block = block  # "fixed" (the draft's block size), "adaptive", or a size
+        self.adaptive: AdaptiveBlock | None = None  # learnt acceptance and costs, kept across generations
         self.target_lane = Lane("target", target.device)
         self.draft_lane = Lane("draft", draft.device if draft else target.device)
 
@@ -107,14 +110,16 @@ class Runtime:
 
         Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
-        schedule=None (the runtime's: "sequential" or "overlap"), timeline=None (record into this one)."""
+        schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "fixed",
+        "adaptive" or a size up to the draft's), timeline=None (record into this one)."""
         prompt_ids, notes = self.encode(prompt, chat)
         return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def run(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             speculative: bool = True, rule: str = "match", schedule: str | None = None,
-            timeline: Timeline | None = None, request: int = 0, target=None, draft=None) -> Iterator[StreamEvent]:
+            timeline: Timeline | None = None, request: int = 0, target=None, draft=None,
+            block: str | int | None = None) -> Iterator[StreamEvent]:
         if rule not in RULES:
             raise ConfigError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
         schedule = check_schedule(schedule or self.schedule)
@@ -125,11 +130,15 @@ class Runtime:
                       schedule=schedule if use_draft else "sequential",
                       block_size=self.block_size if use_draft else 1, notes=self.notes + notes,
                       timeline=timeline or Timeline(), request=request)
+        if schedule == "overlap" and use_draft:
+            stats.notes += oversubscription(self.target.device, self.draft.device)
         lanes = Lanes(self.target_lane, self.draft_lane, stats.timeline, request)
         req = decoding.Request(target or self.target, (draft or self.draft) if use_draft else None, prompt_ids,
                                Sampler(SamplingParams(temperature, top_k, top_p), seed),
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats),
                                stats, lanes, rule)
+        if use_draft:
+            req.blocks = self.block_policy(block or self.block, schedule, stats)
         if not use_draft:
             steps = decoding.autoregressive(req)
         elif schedule == "overlap":
@@ -169,6 +178,21 @@ class Runtime:
         tokens, _ = draft_tokens(req.sampler, logits, "match")
         return DraftStep(anchor, tokens, logits.float().cpu().numpy())
 
+    def block_policy(self, block: str | int, schedule: str, stats: Stats):
+        if block == "fixed":
+            return None
+        if block == "adaptive":
+            if schedule == "overlap":
+                stats.notes.append("adaptive block sizes apply to the sequential and pipeline schedules; "
+                                   "overlap pre-drafts full blocks")
+                return None
+            self.adaptive = self.adaptive or AdaptiveBlock(self.draft.block_size)
+            return self.adaptive
+        if isinstance(block, int) and 2 <= block <= self.draft.block_size:
+            return FixedBlock(block)
+        raise ConfigError(f"block {block!r} is not a block size this draft can fill",
+                          f"use 'fixed', 'adaptive' or a size from 2 to {self.draft.block_size}")
+
     def lanes(self, timeline: Timeline, request: int = 0) -> Lanes:
         return Lanes(self.target_lane, self.draft_lane, timeline, request)
 
@@ -184,6 +208,7 @@ class Runtime:
         if schedule != "pipeline" or self.draft is None or len(jobs) < 2:
             return [self.collect(timeline=timeline, schedule=None if schedule == "pipeline" else schedule,
                                  **job, **kwargs) for job in jobs]
+        self.notes += [n for n in oversubscription(self.target.device, self.draft.device) if n not in self.notes]
         return pipelined(self, jobs, timeline, kwargs)
 
     def collect(self, prompt_ids, notes, stop_at_eos, **kwargs) -> Generation:
@@ -265,7 +290,8 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
 
 
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
-         draft_device: str | None = None, schedule: str = "sequential", dtype=None, block_size: int | None = None,
+         draft_device: str | None = None, schedule: str = "sequential", dtype=None,
+         block_size: int | str | None = None,
          max_context: int | None = None, cpu_threads: int | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
 
@@ -275,7 +301,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     draft of the right shape, for measuring costs and the machinery.
     schedule: "sequential", "overlap" (pre-draft the next block during verification) or "pipeline"
     (generate_many runs two requests at once). cpu_threads: torch CPU threads per lane; by default,
-    when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced)."""
+    when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
+    block_size: the draft's own by default; a smaller or larger size; or "adaptive" (chosen each step
+    from measured acceptance and cost, up to the draft's size)."""
     from transformers import AutoTokenizer
 
     target_device = check_device(target_device)
@@ -298,7 +326,11 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if mask is None and "<|MASK|>" in tokenizer.get_vocab():
         mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     mask = check_pair(dcfg, tcfg, mask)
+    block = "fixed"
+    if block_size == "adaptive":
+        block, block_size = "adaptive", None
     if block_size is not None:
+        block_size = int(block_size)
         if block_size < 2:
             raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
         dcfg.block_size = block_size
@@ -308,7 +340,16 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
-    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
+    info["block"] = block
+    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
+
+
+def oversubscription(target_device: str, draft_device: str) -> list[str]:
+    cores = os.cpu_count() or 2
+    if target_device == draft_device == "cpu" and 2 * torch.get_num_threads() > cores:
+        return [f"both lanes on the CPU with {torch.get_num_threads()} torch threads each on {cores} cores: "
+                f"they will slow each other down (load with cpu_threads={max(1, cores // 2)})"]
+    return []
 
 
 def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draft_device: str,

@@ -21,6 +21,7 @@ class Stats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
+    drafted_per_step: list[int] = field(default_factory=list)  # block size - 1 (varies when adaptive)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -40,6 +41,7 @@ class Stats:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.accepted_per_step.append(accepted)
+        self.drafted_per_step.append(drafted)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -56,11 +58,19 @@ class Stats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        """Position i (1-based): fraction of steps whose first i drafts were all accepted."""
+        """Position i (1-based): fraction of the steps that drafted position i whose first i drafts
+        were all accepted."""
         n = max(self.block_size - 1, 0)
-        if not self.num_drafts:
-            return [0.0] * n
-        return [sum(a >= i for a in self.accepted_per_step) / self.num_drafts for i in range(1, n + 1)]
+        rates = []
+        for i in range(1, n + 1):
+            steps = [a for a, d in zip(self.accepted_per_step, self.drafted_per_step) if d >= i]
+            rates.append(sum(a >= i for a in steps) / len(steps) if steps else 0.0)
+        return rates
+
+    @property
+    def block_size_histogram(self) -> dict[int, int]:
+        """Block size (anchor + drafts) -> steps that used it."""
+        return dict(sorted(Counter(d + 1 for d in self.drafted_per_step).items()))
 
     @property
     def acceptance_length_histogram(self) -> dict[int, int]:
@@ -95,6 +105,8 @@ class Stats:
         d = asdict(self)
         self.timeline = timeline
         d.pop("accepted_per_step")
+        d.pop("drafted_per_step")
+        d["block_size_histogram"] = self.block_size_histogram
         d["timeline"] = timeline.summary() if timeline else None
         d["predraft_hit_rate"] = self.predraft_hit_rate
         d.update(mean_acceptance_length=self.mean_acceptance_length, tau=self.tau,

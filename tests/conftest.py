@@ -16,6 +16,14 @@ torch.manual_seed(0)
 TINY_VOCAB = 64
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Runtimes loaded for concurrent schedules set torch's (process-wide) thread count; undo it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

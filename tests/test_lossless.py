@@ -6,45 +6,15 @@ import pytest
 import torch
 
 import hetero_sd.decoding
-from backends.base import DraftBackend
-from hetero_sd.runtime import Runtime
 from hetero_sd.sampling import Verdict
+
+from .doubles import OracleDraft, with_draft
 
 PROMPTS = ["Write a haiku about the sea.", "What is 12 times 7?",
            "Give three tips for learning Python.", "Explain photosynthesis briefly."]
 MAX_NEW = 40
 
 pytestmark = pytest.mark.slow
-
-
-class OracleDraft(DraftBackend):
-    """Test double: proposes the true continuation (from a baseline run), wrong after `correct` tokens."""
-
-    def __init__(self, sequence: list[int], block_size: int, vocab: int, correct: int | None = None):
-        self.sequence, self.block_size, self.vocab = sequence, block_size, vocab
-        self.correct = block_size - 1 if correct is None else correct
-        self.mask_token_id, self.device, self.length = 0, "cpu", 0
-
-    @property
-    def context_length(self) -> int:
-        return self.length
-
-    def add_context(self, features: torch.Tensor) -> None:
-        self.length += features.shape[0]
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def propose(self, anchor: int) -> torch.Tensor:
-        assert self.sequence[self.length] == anchor, "anchor must sit at the draft's context length"
-        truth = self.sequence[self.length + 1:self.length + self.block_size]
-        truth += [5] * (self.block_size - 1 - len(truth))
-        tokens = [t if i < self.correct else (t + 1) % self.vocab for i, t in enumerate(truth)]
-        return torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab).float()
-
-
-def with_draft(rt: Runtime, draft: DraftBackend) -> Runtime:
-    return Runtime(rt.target, draft, rt.tokenizer, rt.stop_ids, rt.info)
 
 
 @pytest.fixture(scope="module")

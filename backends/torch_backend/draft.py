@@ -57,13 +57,13 @@ class TorchDraft(CacheOwner, DraftBackend):
         return twin
 
     @torch.inference_mode()
-    def propose(self, anchor: int, position: int | None = None) -> torch.Tensor:
-        start, eps = self.cache.length, self.arch.rms_norm_eps
-        ids = torch.full((1, self.block_size), self.mask_token_id, device=self.device)
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
+        start, eps, size = self.cache.length, self.arch.rms_norm_eps, min(size or self.block_size, self.block_size)
+        ids = torch.full((1, size), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
         h = F.embedding(ids, self.embed)
         # Cache slots follow the context; RoPE carries the true positions (the block is non-causal).
-        cos, sin = self.rope.at(start if position is None else position, self.block_size)
+        cos, sin = self.rope.at(start if position is None else position, size)
         for i, block in enumerate(self.blocks):
             q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
             # The block's K/V go after the context and are never kept (length is not advanced).
