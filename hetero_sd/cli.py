@@ -77,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated block settings compared in one run, e.g. 16,8,4,adaptive")
     b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")
 
+    c = sub.add_parser("chat", help="a terminal chat app that shows speculative decoding at work")
+    add_model_args(c, "default")
+    c.add_argument("--schedule", default="sequential", help="sequential or overlap")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--max-new-tokens", type=int, default=512)
+
     from .train.command import add_parser as add_train_parser
     add_train_parser(sub)
 
@@ -131,8 +137,6 @@ def cmd_bench(args) -> None:
         raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
     for note in rt.notes:
         err.print(f"[yellow]note:[/] {note}")
-    if args.draft.startswith("random"):
-        err.print("[yellow]note:[/] the draft is randomly initialised (untrained): expect tau ~1 and speedup < 1")
 
     def progress(r):
         err.print(f"[dim]prompt {r['index'] + 1}/{len(prompts)}: base {r['baseline_tokens_per_s']:.1f} tok/s, "
@@ -179,6 +183,15 @@ def print_schedules(res: dict) -> None:
     Console().print(t)
 
 
+def cmd_chat(args) -> None:
+    from tui import ChatApp
+
+    kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
+                  target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
+                  block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads)
+    ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens).run()
+
+
 def cmd_devices(args) -> None:
     from .devices import devices
 
@@ -210,7 +223,7 @@ def cmd_train_draft(args) -> None:
     run(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "devices": cmd_devices, "fetch": cmd_fetch,
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "devices": cmd_devices, "fetch": cmd_fetch,
             "train-draft": cmd_train_draft}
 
 

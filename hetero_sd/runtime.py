@@ -320,7 +320,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                       max_context=max_context)
         return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
 
-    dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer)
+    dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
     layer_ids = feature_layers(dcfg, tcfg, take(tensors, "fc.weight", None, dfolder or draft).shape[1])
     mask = dcfg.mask_token_id
     if mask is None and "<|MASK|>" in tokenizer.get_vocab():
@@ -379,9 +379,11 @@ def default_draft(draft: str | None, target: str, notes: list[str]) -> str | Non
     return None
 
 
-def draft_source(draft: str, tcfg: ArchConfig, tokenizer) -> tuple[DraftConfig, dict, Path | None]:
+def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:
     if draft == "random" or draft.startswith("random:"):
         layers = random_layers(draft)
+        notes.append("the draft is randomly initialised (untrained): expect tau ~1 and a slowdown; "
+                     "it measures costs and exercises the machinery")
         raw = draft_config(tcfg, num_layers=layers, block_size=16,
                            mask_token_id=pick_mask_token(tokenizer))
         tensors = {k: v.to(torch.bfloat16).float() for k, v in random_draft_tensors(raw).items()}

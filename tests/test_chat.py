@@ -1,0 +1,109 @@
+"""`hetero-sd chat`: driven by Textual's Pilot, with the real default model for the end-to-end runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from hetero_sd.runtime import load
+from tui import ChatApp
+from tui.session import AnswerBuilder, Conversation, bars, panel_text
+
+
+async def until(pilot, condition, timeout: float = 300.0) -> None:
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > timeout:
+            raise TimeoutError("the app did not get there in time")
+        await pilot.pause(0.1)
+
+
+def run(scenario):
+    return asyncio.run(scenario())
+
+
+def test_answer_marks_accepted_drafts_and_keeps_all_text(tiny_llama, tiny_draft):
+    rt = load(str(tiny_llama), str(tiny_draft))
+    builder = AnswerBuilder(rt)
+    events = list(rt.stream("t5 t9 t12", max_new_tokens=20))
+    for e in events:
+        builder.add(e.token_ids, e.accepted)
+    ids = [t for e in events for t in e.token_ids]
+    assert builder.answer.text == rt.tokenizer.decode(ids, skip_special_tokens=True)
+    drafts = sum(min(e.accepted or 0, len(e.token_ids)) for e in events)
+    assert ("draft" in {s for _, s in builder.answer.segments}) == (drafts > 0)
+    plain = builder.answer.render(show_sources=False)
+    assert plain.plain == builder.answer.text and not plain.spans
+
+
+def test_panel_and_transcript(tiny_llama, tiny_draft):
+    rt = load(str(tiny_llama), str(tiny_draft))
+    stats = rt.generate("t5 t9", max_new_tokens=12).stats
+    text = panel_text(stats, rt.info, 10.0, {"schedule": "sequential", "temperature": 0.0}).plain
+    assert "tau" in text and "speedup" in text and "target" in text
+    assert bars([0, 1, 2]) == " ▄█" and bars([0.0, 0.0]) == "  "
+    chat = Conversation()
+    chat.ask("hello")
+    assert "**user**:" in chat.markdown(rt.info) and chat.withdraw() == "hello" and not chat.messages
+
+
+@pytest.mark.slow
+def test_chat_streams_updates_stats_and_stops_on_escape(default_folder, tmp_path):
+    app = ChatApp({"target": "default", "draft": "random"}, max_new_tokens=400, save_dir=tmp_path)
+
+    async def scenario():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: not app.query_one("#prompt").disabled)
+            await pilot.click("#prompt")
+            await pilot.press(*"Tell me a long story about a dragon.")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.answers and len(app.answers[0][1].text) > 20)
+            assert "tau" in str(app.query_one("#panel").render())
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.generating)
+            reply, answer = app.answers[0]
+            assert answer.stopped and answer.text
+            assert app.conversation.messages[-1] == {"role": "assistant", "content": answer.text}
+            assert app.last_stats.num_generated_tokens < 400
+            assert answer.text in reply.render().plain  # the partial answer stays on screen
+            await pilot.press("ctrl+s")
+            await pilot.pause(0.2)
+            saved = list(tmp_path.glob("hetero-sd-chat-*.md"))
+            assert saved and answer.text in saved[0].read_text()
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_second_turn_uses_the_conversation(default_folder, tmp_path):
+    app = ChatApp({"target": "default", "draft": "random"}, max_new_tokens=16, save_dir=tmp_path)
+
+    async def scenario():
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: not app.query_one("#prompt").disabled)
+            for question in ("What is 2 plus 2?", "And times 3?"):
+                await pilot.click("#prompt")
+                await pilot.press(*question)
+                await pilot.press("enter")
+                await pilot.pause(0.2)
+                await until(pilot, lambda: not app.generating)
+            roles = [m["role"] for m in app.conversation.messages]
+            assert roles == ["user", "assistant", "user", "assistant"]
+            assert app.last_stats.num_prompt_tokens > 20  # the second prompt carries the first turn
+
+    run(scenario)
+
+
+def test_a_missing_model_is_shown_in_the_app(tmp_path):
+    app = ChatApp({"target": str(tmp_path / "no-such-model"), "draft": None})
+
+    async def scenario():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.query(".error"), timeout=60)
+            text = str(app.query_one(".error").render())
+            assert "error" in text and "fix" in text
+            assert app.query_one("#prompt").disabled
+
+    run(scenario)
