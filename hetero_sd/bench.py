@@ -103,18 +103,21 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
                          if temperature == 0 else None),
             "predraft_hit_rate": sum(s.predraft_hits for s in stats) / steps if steps else None,
             "draft_to_verify_cost": cost_ratio(timelines),
+            "mean_verify_s": mean_span(timelines, "verify"), "mean_draft_s": mean_span(timelines, "draft"),
             "fallbacks": sum(s.fallback is not None for s in stats),
             "block_size_histogram": total.block_size_histogram}
 
 
+def mean_span(timelines, name: str) -> float | None:
+    """Mean seconds of one kind of job ("verify", "draft") over the given timelines."""
+    spans = [s.end - s.start for t in timelines for s in t.spans if s.name == name]
+    return sum(spans) / len(spans) if spans else None
+
+
 def cost_ratio(timelines) -> float | None:
     """Mean draft job over mean verify job: how much a step's draft costs relative to its verify."""
-    spans = [s for t in timelines for s in t.spans]
-    drafts = [s.end - s.start for s in spans if s.name == "draft"]
-    verifies = [s.end - s.start for s in spans if s.name == "verify"]
-    if not drafts or not verifies:
-        return None
-    return (sum(drafts) / len(drafts)) / (sum(verifies) / len(verifies))
+    draft, verify = mean_span(timelines, "draft"), mean_span(timelines, "verify")
+    return draft / verify if draft and verify else None
 
 
 def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:

@@ -76,5 +76,5 @@ def placement_sweep(targets: Sequence[str] = ("default",), drafts: Sequence[str]
                 for s in res["schedules"]:
                     table.rows.append(base | {k: s[k] for k in ("schedule", "speedup", "tau", "overlap_fraction",
                                                                 "predraft_hit_rate", "draft_to_verify_cost",
-                                                                "lossless")} | {"tokens_per_s": s["spec_tokens_per_s"]})
+                                                                "mean_verify_s", "mean_draft_s", "lossless")} | {"tokens_per_s": s["spec_tokens_per_s"]})
     return table

@@ -68,6 +68,17 @@ class Timeline:
         return [min(x, 1.0) for x in busy]
 
 
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def bars(values: list[float], top: float | None = None) -> str:
+    """A one-line bar chart of non-negative values."""
+    top = top if top is not None else max(values, default=0.0)
+    if top <= 0:
+        return BARS[0] * len(values)
+    return "".join(BARS[min(len(BARS) - 1, round(v / top * (len(BARS) - 1)))] for v in values)
+
+
 def merged(spans: list[Span], lane: str) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for s in sorted((s for s in spans if s.lane == lane), key=lambda s: s.start):

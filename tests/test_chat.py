@@ -8,8 +8,9 @@ import time
 import pytest
 
 from hetero_sd.runtime import load
+from hetero_sd.timeline import bars
 from tui import ChatApp
-from tui.session import AnswerBuilder, Conversation, bars, panel_text
+from tui.session import AnswerBuilder, Conversation, panel_text
 
 
 async def until(pilot, condition, timeout: float = 300.0) -> None:
@@ -22,6 +23,16 @@ async def until(pilot, condition, timeout: float = 300.0) -> None:
 
 def run(scenario):
     return asyncio.run(scenario())
+
+
+async def ready(pilot, app, timeout: float = 300.0) -> None:
+    await until(pilot, lambda: not app.query_one("#prompt").disabled, timeout)
+
+
+async def ask(pilot, text: str) -> None:
+    await pilot.click("#prompt")
+    await pilot.press(*text, "enter")
+    await pilot.pause(0.2)
 
 
 def test_answer_marks_accepted_drafts_and_keeps_all_text(tiny_llama, tiny_draft):
@@ -55,10 +66,8 @@ def test_chat_streams_updates_stats_and_stops_on_escape(default_folder, tmp_path
 
     async def scenario():
         async with app.run_test(size=(80, 24)) as pilot:
-            await until(pilot, lambda: not app.query_one("#prompt").disabled)
-            await pilot.click("#prompt")
-            await pilot.press(*"Tell me a long story about a dragon.")
-            await pilot.press("enter")
+            await ready(pilot, app)
+            await ask(pilot, "Tell me a long story about a dragon.")
             await until(pilot, lambda: app.answers and len(app.answers[0][1].text) > 20)
             assert "tau" in str(app.query_one("#panel").render())
             await pilot.press("escape")
@@ -82,12 +91,9 @@ def test_second_turn_uses_the_conversation(default_folder, tmp_path):
 
     async def scenario():
         async with app.run_test(size=(100, 30)) as pilot:
-            await until(pilot, lambda: not app.query_one("#prompt").disabled)
+            await ready(pilot, app)
             for question in ("What is 2 plus 2?", "And times 3?"):
-                await pilot.click("#prompt")
-                await pilot.press(*question)
-                await pilot.press("enter")
-                await pilot.pause(0.2)
+                await ask(pilot, question)
                 await until(pilot, lambda: not app.generating)
             roles = [m["role"] for m in app.conversation.messages]
             assert roles == ["user", "assistant", "user", "assistant"]
@@ -105,5 +111,42 @@ def test_a_missing_model_is_shown_in_the_app(tmp_path):
             text = str(app.query_one(".error").render())
             assert "error" in text and "fix" in text
             assert app.query_one("#prompt").disabled
+
+    run(scenario)
+
+
+def test_settings_change_temperature_and_schedule_from_the_app(tiny_llama, tiny_draft):
+    from textual.widgets import Input, Select
+
+    app = ChatApp({"target": str(tiny_llama), "draft": str(tiny_draft)}, max_new_tokens=8)
+
+    async def scenario():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot, app, timeout=60)
+            await pilot.press("ctrl+o")
+            await pilot.pause(0.2)
+            screen = app.screen
+            screen.query_one("#temperature", Input).value = "0.7"
+            screen.query_one("#schedule", Select).value = "overlap"
+            await pilot.click("#apply")
+            await ready(pilot, app, timeout=60)
+            assert app.settings["temperature"] == 0.7 and app.settings["schedule"] == "overlap"
+            assert app.runtime.schedule == "overlap"  # reloaded with the new placement
+            await ask(pilot, "t5 t9")
+            await until(pilot, lambda: not app.generating, timeout=60)
+            assert app.last_stats.schedule == "overlap"
+            await pilot.press("ctrl+b")
+            assert app.query_one("#panel").has_class("hidden")
+
+    run(scenario)
+
+
+def test_an_unknown_device_is_shown_in_the_app(tiny_llama):
+    app = ChatApp({"target": str(tiny_llama), "draft": None, "target_device": "tpu"})
+
+    async def scenario():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.query(".error"), timeout=60)
+            assert "unknown device 'tpu'" in str(app.query_one(".error").render())
 
     run(scenario)

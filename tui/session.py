@@ -10,10 +10,10 @@ from rich.text import Text
 
 from hetero_sd.runtime import Runtime, TextStream
 from hetero_sd.stats import Stats
+from hetero_sd.timeline import bars
 
 BASELINE_PROMPT = "Describe a lighthouse in two sentences."
 BASELINE_TOKENS = 32
-BARS = " ▁▂▃▄▅▆▇█"
 DRAFT_STYLE = "bold green"
 
 
@@ -90,14 +90,6 @@ def model_names(info: dict) -> str:
         return str(path).rstrip("/").split("/")[-1]
     draft = f"draft {name(info['draft'])}" if info.get("draft") else "no draft"
     return f"{name(info.get('target', '?'))} + {draft}"
-
-
-def bars(values: list[float], top: float | None = None) -> str:
-    """A one-line bar chart of non-negative values."""
-    top = top if top is not None else max(values, default=0.0)
-    if top <= 0:
-        return BARS[0] * len(values)
-    return "".join(BARS[min(len(BARS) - 1, round(v / top * (len(BARS) - 1)))] for v in values)
 
 
 def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, settings: dict, width: int = 26) -> Text:
