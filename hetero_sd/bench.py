@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .drift import Drift
 from .errors import ConfigError
 from .prompts import Prompt
 from .runtime import Runtime, check_schedule
@@ -53,11 +54,15 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
     for speculative in (False, True):  # warm-up: first calls pay for allocation and kernel selection
         runtime.generate(WARMUP, max_new_tokens=8, speculative=speculative, schedule=schedules[0])
     single = [(s, b) for s in schedules if s != "pipeline" for b in blocks]
-    rows, runs = [], {key: [] for key in single}
+    rows, runs, references = [], {key: [] for key in single}, []
+    reference = getattr(runtime.draft, "reference", None)  # a reduced-precision device: measure its drift
     for n, prompt in enumerate(prompts):
         base = runtime.generate(prompt.text, speculative=False, **gen)
         for schedule, block in single:
             runs[schedule, block].append(runtime.generate(prompt.text, schedule=schedule, block=block, **gen))
+        if reference is not None and single:
+            references.append(runtime.generate(prompt.text, schedule=single[0][0], block=single[0][1],
+                                               draft=reference, **gen))
         first = runs[single[0]][-1] if single else None
         rows.append(row(n, prompt, base, first, temperature) if first else baseline_row(n, prompt, base))
         if progress and first:
@@ -65,7 +70,18 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
     if "pipeline" in schedules:
         runs["pipeline", blocks[0]] = runtime.generate_many([p.text for p in prompts], schedule="pipeline",
                                                             block=blocks[0], **gen)
-    return summary(runtime, rows, runs, gen)
+    result = summary(runtime, rows, runs, gen)
+    if references:
+        result["drift"] = drift_summary(runs[single[0]], references)
+    return result
+
+
+def drift_summary(device_runs: list, reference_runs: list) -> dict:
+    """The device's drift against the float32 reference, and tau(device) / tau(reference) on the same prompts."""
+    drift = Drift.total([g.stats.drift for g in device_runs if g.stats.drift]).to_dict()
+    tau_device = merge(device_runs, device_runs[0].stats.block_size).tau
+    tau_reference = merge(reference_runs, reference_runs[0].stats.block_size).tau
+    return drift | {"tau_device": tau_device, "tau_reference": tau_reference, "tau_ratio": tau_device / tau_reference}
 
 
 def baseline_row(n: int, prompt: Prompt, base) -> dict:

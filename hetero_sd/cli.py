@@ -20,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--draft", default=draft_default,
                    help="DFlash draft folder or hub id; 'default' (the shipped one), 'random' (untrained), 'none'")
     p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
-    p.add_argument("--draft-device", default=None, help="defaults to the target device")
+    p.add_argument("--draft-device", default=None,
+                   help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="override the draft's block size, or 'adaptive' (chosen per step from acceptance and cost)")
@@ -82,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", default="sequential", help="sequential or overlap")
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--max-new-tokens", type=int, default=512)
+
+    a = sub.add_parser("compile-ane", help="convert a DFlash draft into an fp16 Core ML package for the Neural Engine")
+    a.add_argument("--target", default="default")
+    a.add_argument("--draft", required=True, help="DFlash draft folder (or 'random' to try the compiler)")
+    a.add_argument("--out", required=True, help="X.mlpackage (the report goes to X.json)")
+    a.add_argument("--window", type=int, default=512, help="context positions the package takes")
 
     from .train.command import add_parser as add_train_parser
     add_train_parser(sub)
@@ -170,6 +177,11 @@ def print_bench(res: dict) -> None:
     Console().print(t)
     if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
         print_schedules(res)
+    if res.get("drift"):
+        d = res["drift"]
+        Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
+                        f"({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.5f} "
+                        f"(min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
 
 
 def print_schedules(res: dict) -> None:
@@ -190,6 +202,26 @@ def cmd_chat(args) -> None:
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
                   block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads)
     ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens).run()
+
+
+def cmd_compile_ane(args) -> None:
+    from pathlib import Path
+
+    try:
+        from ane_compiler.compile import compile_ane
+        import coremltools  # noqa: F401
+    except ImportError:
+        raise HeteroSDError("compile-ane needs coremltools", "pip install 'hetero-sd[coreml]'") from None
+    out = Path(args.out)
+    if out.suffix != ".mlpackage":
+        raise HeteroSDError(f"{out} does not end in .mlpackage", "name the output X.mlpackage")
+    report = compile_ane(args.target, args.draft, out, args.window)
+    d = report["drift_vs_float32"]
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+    print(f"ops: {sum(report['ops'].values())} ({len(report['ops'])} kinds); not on the ANE: "
+          f"{report['ane_unfriendly'] or 'none'}; costly there: {', '.join(report['ane_costly']) or 'none'}")
+    print(f"fp16 drift vs the float32 draft (ane-sim): cosine {d['cosine']:.6f} (min {d['cosine_min']:.6f}), "
+          f"top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
 
 
 def cmd_devices(args) -> None:
@@ -223,7 +255,7 @@ def cmd_train_draft(args) -> None:
     run(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "devices": cmd_devices, "fetch": cmd_fetch,
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,
             "train-draft": cmd_train_draft}
 
 

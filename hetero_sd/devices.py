@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 from dataclasses import dataclass
 
@@ -9,7 +10,8 @@ import torch
 
 from .errors import DeviceUnavailableError, UnknownDeviceError
 
-KNOWN = "cpu, cuda, cuda:N, mps"
+KNOWN = "cpu, cuda, cuda:N, mps, ane-sim (drafts), ane / coreml-gpu / coreml-cpu (drafts, macOS)"
+DRAFT_ONLY = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")
 
 
 @dataclass
@@ -30,14 +32,35 @@ def devices() -> list[DeviceInfo]:
         infos.append(DeviceInfo("cuda", "torch", False, "torch.cuda.is_available() is False"))
     mps = torch.backends.mps.is_available()
     infos.append(DeviceInfo("mps", "torch", mps, "Apple GPU via torch" if mps else "not an Apple-silicon Mac"))
+    infos.append(DeviceInfo("ane-sim", "emulation", True,
+                            "EMULATION: the fp16-safe draft graph with every op rounded to fp16, on the CPU"))
+    mac = platform.system() == "Darwin"
+    for name in ("ane", "coreml-gpu", "coreml-cpu"):
+        infos.append(DeviceInfo(name, "coreml", False, "Core ML backend not in this build yet" if mac
+                                else "Core ML prediction needs macOS (use ane-sim here)"))
     return infos
 
 
-def check_device(name: str) -> str:
-    """Normalise a device name, or say why it cannot be used here."""
+def cpu_bound(device: str) -> bool:
+    """Devices whose work runs on this machine's CPU cores (they compete for them)."""
+    return device in ("cpu", "ane-sim")
+
+
+def check_device(name: str, role: str = "draft") -> str:
+    """Normalise a device name, or say why it cannot be used here (role: "target" or "draft")."""
     name = name.strip().lower()
     if name == "cpu":
         return name
+    if name in DRAFT_ONLY and role == "target":
+        raise UnknownDeviceError(f"{name!r} runs drafts only, not the target",
+                                 "use it as --draft-device; put the target on cpu, cuda or mps")
+    if name == "ane-sim":
+        return name
+    if name in ("ane", "coreml-gpu", "coreml-cpu"):
+        where = ("the Core ML draft backend is not part of this build yet" if platform.system() == "Darwin"
+                 else "Core ML prediction needs macOS")
+        raise DeviceUnavailableError(f"device {name!r} is not available: {where}",
+                                     "use --draft-device ane-sim: the same fp16 draft graph, emulated on the CPU")
     if re.fullmatch(r"cuda(:\d+)?", name):
         if not torch.cuda.is_available():
             raise DeviceUnavailableError(f"device {name!r} is not present on this machine (no CUDA GPU)",

@@ -43,6 +43,8 @@ class SweepTable:
 
 
 def fmt(value) -> str:
+    if isinstance(value, dict):  # drift
+        return f"cos {value['cosine']:.4f}, tau x{value['tau_ratio']:.3f}"
     if isinstance(value, float):
         return f"{value:.2f}"
     return "" if value is None else str(value)

@@ -15,20 +15,22 @@ import torch
 
 from backends import torch_backend
 from backends.base import DraftBackend, TargetBackend
+from backends.shadow import ShadowedDraft
 
 from . import decoding
+from .adaptive import AdaptiveBlock, FixedBlock
 from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
-from .devices import check_device
+from .devices import check_device, cpu_bound
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
-from .adaptive import AdaptiveBlock, FixedBlock
+from .drift import Drift
 from .errors import ConfigError, DeviceFailedError, PromptTooLongError
 from .lanes import Lane, Lanes
-from .timeline import Timeline
 from .pairing import check_pair, feature_layers
 from .sampling import RULES, Sampler, SamplingParams, draft_tokens
 from .sources import resolve_folder, resolve_target
 from .stats import Stats
+from .timeline import Timeline
 from .weights import load_weights, take
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -139,6 +141,8 @@ class Runtime:
                                stats, lanes, rule)
         if use_draft:
             req.blocks = self.block_policy(block or self.block, schedule, stats)
+            if isinstance(req.draft, ShadowedDraft):  # drift of this generation
+                req.draft.meter = stats.drift = Drift(req.draft.device)
         if not use_draft:
             steps = decoding.autoregressive(req)
         elif schedule == "overlap":
@@ -306,8 +310,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     from measured acceptance and cost, up to the draft's size)."""
     from transformers import AutoTokenizer
 
-    target_device = check_device(target_device)
-    draft_device = check_device(draft_device or target_device)
+    target_device = check_device(target_device, "target")
+    draft_device = check_device(draft_device or target_device, "draft")
     check_schedule(schedule)
     folder = resolve_target(target)
     tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
@@ -336,7 +340,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         dcfg.block_size = block_size
     t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
                                   layer_ids, max_context)
-    d = torch_backend.load_draft(dfolder, dcfg, t, draft_device, resolve_dtype(dtype, draft_device), mask, tensors)
+    d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
@@ -346,17 +350,30 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
 
 def oversubscription(target_device: str, draft_device: str) -> list[str]:
     cores = os.cpu_count() or 2
-    if target_device == draft_device == "cpu" and 2 * torch.get_num_threads() > cores:
+    if cpu_bound(target_device) and cpu_bound(draft_device) and 2 * torch.get_num_threads() > cores:
         return [f"both lanes on the CPU with {torch.get_num_threads()} torch threads each on {cores} cores: "
                 f"they will slow each other down (load with cpu_threads={max(1, cores // 2)})"]
     return []
+
+
+def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors: dict, notes: list[str]):
+    """The draft on its device. Reduced-precision devices come with the float32 reference alongside
+    (ShadowedDraft), which measures their precision drift."""
+    if device != "ane-sim":
+        return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+    from backends.coreml import AneSimDraft
+
+    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
+    notes.append("draft device ane-sim is an EMULATION of the Neural Engine's fp16 arithmetic on the CPU: "
+                 "its numerics emulate the ANE fp16 format, its timings say nothing about the ANE")
+    return ShadowedDraft(AneSimDraft(reference), reference)
 
 
 def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draft_device: str,
                     notes: list[str]) -> None:
     """Two lanes on the CPU at once must split the cores: two torch thread pools each as wide as the
     machine slow each other down many times over (measured 10-25x on 2 cores)."""
-    if threads is None and schedule != "sequential" and target_device == draft_device == "cpu":
+    if threads is None and schedule != "sequential" and cpu_bound(target_device) and cpu_bound(draft_device):
         threads = max(1, (os.cpu_count() or 2) // 2)
         if torch.get_num_threads() > threads:
             notes.append(f"target and draft both on the CPU under the {schedule} schedule: "

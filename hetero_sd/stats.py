@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .drift import Drift
 from .timeline import Timeline
 
 
@@ -34,6 +35,7 @@ class Stats:
     predraft_hits: int = 0  # steps whose next block was ready when verification ended
     notes: list[str] = field(default_factory=list)  # announced fallbacks and other events
     timeline: Timeline | None = field(default=None, repr=False)  # per-device spans of this generation
+    drift: Drift | None = field(default=None, repr=False)  # precision drift of the draft device, if measured
     request: int = 0  # which request of the timeline is this one (pipelined runs share a timeline)
 
     def record_step(self, drafted: int, accepted: int) -> None:
@@ -100,10 +102,11 @@ class Stats:
         self.verify_s = sum(s.end - s.start for s in spans if s.lane == "target") - self.prefill_s
 
     def to_dict(self) -> dict:
-        timeline = self.timeline
-        self.timeline = None  # spans go to traces, not into every stats dict
+        timeline, drift = self.timeline, self.drift
+        self.timeline = self.drift = None  # spans go to traces, not into every stats dict
         d = asdict(self)
-        self.timeline = timeline
+        self.timeline, self.drift = timeline, drift
+        d["drift"] = drift.to_dict() if drift else None
         d.pop("accepted_per_step")
         d.pop("drafted_per_step")
         d["block_size_histogram"] = self.block_size_histogram

@@ -124,7 +124,12 @@ def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, sett
             t.append(bars(stats.timeline.sparkline(lane, width - 7), top=1.0) + "\n", "magenta")
         hits = f"  hits {stats.predraft_hit_rate:.0%}" if stats.predraft_steps else ""
         t.append(f"overlap {stats.timeline.overlap_fraction:.0%}{hits}\n", "dim")
-    row("drift", "n/a")
+    if stats.drift is not None and stats.drift.positions:
+        d = stats.drift.to_dict()
+        row("drift", f"cos {d['cosine']:.5f}")
+        row("", f"top-1 {d['top1_agreement']:.1%}")
+    else:
+        row("drift", "- (float32 draft)" if stats.mode == "speculative" else "-")
     if stats.fallback:
         t.append("draft failed: target finished alone\n", "bold red")
     return t

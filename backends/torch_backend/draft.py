@@ -33,6 +33,7 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.embed, self.lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def context_length(self) -> int:
@@ -69,4 +70,5 @@ class TorchDraft(CacheOwner, DraftBackend):
             # The block's K/V go after the context and are never kept (length is not advanced).
             keys, values = self.cache.write(i, start, k, v)
             h = block.attend(h, q, keys, values, None)
-        return linear(rms_norm(h[0, 1:], self.norm, eps), self.lm_head).float()
+        self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
+        return linear(self.last_hidden, self.lm_head).float()

@@ -1,0 +1,138 @@
+"""`hetero-sd compile-ane`: the fp16-safe draft graph as a Core ML ML program with static shapes.
+
+Conversion goes through torch.export (coremltools' torch.jit.trace route breaks on numpy >= 2.4).
+The package takes the block's token embeddings and a fixed window of context features as inputs
+(stateful KV caches are often rejected by the ANE compiler), so it has no state and no gather over the
+vocabulary; the host looks up the embeddings, scales the features per token, and builds RoPE tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .graph import SafeDraftGraph
+
+INPUTS = ("block_embeddings", "features", "feature_eps", "ctx_cos", "ctx_sin", "blk_cos", "blk_sin", "ctx_bias")
+# MIL ops the Neural Engine does not run (Core ML places them on the CPU/GPU), with why they may stay.
+ANE_UNFRIENDLY = {
+    "gather": "vocabulary-sized lookups: done on the host instead",
+    "gather_nd": "dynamic indexing",
+    "scatter": "dynamic writes",
+    "scatter_nd": "dynamic writes",
+    "while_loop": "control flow",
+    "cond": "control flow",
+    "non_zero": "data-dependent shapes",
+    "random_uniform": "randomness",
+}
+
+
+class Exported(nn.Module):
+    """The graph with embeddings as an input (no vocabulary gather inside the package)."""
+
+    def __init__(self, graph: SafeDraftGraph):
+        super().__init__()
+        self.draft = graph  # not "graph": that name is taken on the exported GraphModule
+
+    def forward(self, block_embeddings, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias):
+        return self.draft.body(block_embeddings, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias)
+
+
+def example_inputs(graph: SafeDraftGraph, block: int, window: int) -> tuple[torch.Tensor, ...]:
+    a = graph.arch
+    return (torch.zeros(block, a.hidden_size), torch.zeros(window, graph.w.fc.shape[0]), torch.zeros(window, 1),
+            torch.ones(window, a.head_dim), torch.zeros(window, a.head_dim), torch.ones(block, a.head_dim),
+            torch.zeros(block, a.head_dim), torch.zeros(window))
+
+
+def convert(draft, out: Path, window: int = 512, block: int | None = None):
+    """Export and convert; returns the coremltools MLModel (saved to `out`)."""
+    import coremltools as ct
+
+    graph = SafeDraftGraph(draft)
+    block = block or draft.block_size
+    inputs = example_inputs(graph, block, window)
+    with torch.no_grad():
+        program = torch.export.export(Exported(graph).eval(), inputs).run_decompositions({})
+    model = ct.convert(program, inputs=[ct.TensorType(name=n, shape=x.shape) for n, x in zip(INPUTS, inputs)],
+                       outputs=[ct.TensorType(name="logits"), ct.TensorType(name="hidden")],
+                       convert_to="mlprogram", compute_precision=ct.precision.FLOAT16,
+                       minimum_deployment_target=ct.target.macOS14)
+    model.save(str(out))
+    return model
+
+
+# Ops the ANE runs, but at a cost worth knowing about.
+ANE_COSTLY = {
+    "reshape": "head split/merge in the (S, C) layout; the channels-first (1, C, 1, S) layout would remove most",
+    "transpose": "head split/merge and k^T in the (S, C) layout; same remedy",
+    "tile": "grouped-query attention repeats K/V heads for the query heads",
+}
+
+
+def op_report(model) -> dict:
+    """Op counts of the ML program; ops the ANE cannot run and ops it runs at a cost, each with its reason."""
+    ops = Counter()
+    for function in model._mil_program.functions.values():
+        for op in function.operations:
+            ops[op.op_type] += 1
+    return {"ops": dict(sorted(ops.items())),
+            "ane_unfriendly": {op: ANE_UNFRIENDLY[op] for op in ops if op in ANE_UNFRIENDLY},
+            "ane_costly": {op: ANE_COSTLY[op] for op in ops if op in ANE_COSTLY}}
+
+
+def io_report(model) -> dict:
+    spec = model.get_spec().description
+    shape = lambda f: list(f.type.multiArrayType.shape)
+    return {"inputs": {f.name: shape(f) for f in spec.input}, "outputs": {f.name: shape(f) for f in spec.output}}
+
+
+def drift_report(runtime, prompts: list[str], window: int) -> dict:
+    """ane-sim (the same graph, every op rounded to fp16) against the float32 draft, on contexts the
+    target produces for `prompts`: the first block after each prompt."""
+    from backends.coreml import AneSimDraft
+    from hetero_sd.drift import Drift
+
+    reference, meter = runtime.draft, Drift("ane-sim")
+    sim = AneSimDraft(reference, window)
+    for prompt in prompts:
+        ids, _ = runtime.encode(prompt)
+        out = runtime.target.forward(ids, features=True)  # the runtime's target, on its own cache
+        anchor = int(out.logits[-1].argmax())
+        reference.crop(0)
+        sim.crop(0)
+        for draft in (reference, sim):
+            draft.add_context(out.features)
+        meter.add(reference.propose(anchor), sim.propose(anchor), reference.last_hidden, sim.last_hidden)
+        runtime.target.crop(0)
+    return meter.to_dict()
+
+
+DRIFT_PROMPTS = ["Write a haiku about the sea.", "Explain how a hash map works.",
+                 "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+                 "List three uses of copper."]
+
+
+def compile_ane(target: str, draft: str, out: Path, window: int = 512) -> dict:
+    """Convert the draft to `out` (.mlpackage) and return the report (also written next to it as JSON)."""
+    import json
+
+    from hetero_sd.runtime import load
+
+    runtime = load(target, draft)
+    if runtime.draft is None:
+        from hetero_sd.errors import ConfigError
+        raise ConfigError("compile-ane needs a draft", "pass --draft FOLDER (a DFlash draft for the target)")
+    model = convert(runtime.draft, out, window)
+    report = {"package": str(out), "target": runtime.info["target"], "draft": runtime.info["draft"],
+              "block_size": runtime.draft.block_size, "window": window, "precision": "fp16 ML program",
+              **io_report(model), **op_report(model),
+              "drift_vs_float32": drift_report(runtime, DRIFT_PROMPTS, window),
+              "rewrites": ["context features divided per token by max|x| on the host (fc + RMSNorm invariant)",
+                           "every RMSNorm divides its input by its per-token max|x| before squaring",
+                           "q scaled by 1/sqrt(head_dim) before q.k; masks add -1e4, not finfo(f32).min",
+                           "token embeddings looked up on the host (no vocabulary gather in the package)"]}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    return report
