@@ -10,7 +10,7 @@ import torch
 
 from .errors import DeviceUnavailableError, UnknownDeviceError
 
-KNOWN = "cpu, cuda, cuda:N, mps, ane-sim (drafts), ane / coreml-gpu / coreml-cpu (drafts, macOS)"
+KNOWN = "cpu, cuda, cuda:N, mps, mlx, ane-sim (drafts), ane / coreml-gpu / coreml-cpu (drafts, macOS)"
 DRAFT_ONLY = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")
 
 
@@ -32,18 +32,39 @@ def devices() -> list[DeviceInfo]:
         infos.append(DeviceInfo("cuda", "torch", False, "torch.cuda.is_available() is False"))
     mps = torch.backends.mps.is_available()
     infos.append(DeviceInfo("mps", "torch", mps, "Apple GPU via torch" if mps else "not an Apple-silicon Mac"))
+    why = mlx_missing()
+    infos.append(DeviceInfo("mlx", "mlx", why is None, why or ("Metal GPU" if platform.system() == "Darwin"
+                                                                else "MLX on the CPU (mlx[cpu]: slow reference BLAS)")))
     infos.append(DeviceInfo("ane-sim", "emulation", True,
                             "EMULATION: the fp16-safe draft graph with every op rounded to fp16, on the CPU"))
-    mac = platform.system() == "Darwin"
+    why = core_ml_missing()
     for name in ("ane", "coreml-gpu", "coreml-cpu"):
-        infos.append(DeviceInfo(name, "coreml", False, "Core ML backend not in this build yet" if mac
-                                else "Core ML prediction needs macOS (use ane-sim here)"))
+        infos.append(DeviceInfo(name, "coreml", why is None, why or "Core ML (the draft compiled by compile-ane)"))
     return infos
+
+
+def core_ml_missing() -> str | None:
+    """Why Core ML devices cannot run here, or None when they can."""
+    if platform.system() != "Darwin":
+        return "Core ML prediction needs macOS (use ane-sim here)"
+    try:
+        import coremltools  # noqa: F401
+    except ImportError:
+        return "coremltools is not installed (pip install 'hetero-sd[coreml]')"
+    return None
+
+
+def mlx_missing() -> str | None:
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError:
+        return "mlx is not installed (pip install 'hetero-sd[mlx]'; on Linux: mlx[cpu])"
+    return None
 
 
 def cpu_bound(device: str) -> bool:
     """Devices whose work runs on this machine's CPU cores (they compete for them)."""
-    return device in ("cpu", "ane-sim")
+    return device in ("cpu", "ane-sim") or (device == "mlx" and platform.system() != "Darwin")
 
 
 def check_device(name: str, role: str = "draft") -> str:
@@ -56,10 +77,16 @@ def check_device(name: str, role: str = "draft") -> str:
                                  "use it as --draft-device; put the target on cpu, cuda or mps")
     if name == "ane-sim":
         return name
+    if name == "mlx":
+        why = mlx_missing()
+        if why:
+            raise DeviceUnavailableError(f"device 'mlx' is not available: {why}", "install it, or use cpu")
+        return name
     if name in ("ane", "coreml-gpu", "coreml-cpu"):
-        where = ("the Core ML draft backend is not part of this build yet" if platform.system() == "Darwin"
-                 else "Core ML prediction needs macOS")
-        raise DeviceUnavailableError(f"device {name!r} is not available: {where}",
+        why = core_ml_missing()
+        if why is None:
+            return name
+        raise DeviceUnavailableError(f"device {name!r} is not available: {why}",
                                      "use --draft-device ane-sim: the same fp16 draft graph, emulated on the CPU")
     if re.fullmatch(r"cuda(:\d+)?", name):
         if not torch.cuda.is_available():

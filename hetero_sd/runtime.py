@@ -320,8 +320,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
             "notes": []}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
-        t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
-                                      max_context=max_context)
+        t = target_backend(folder, tcfg, target_device, dtype, (), max_context)
         return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
@@ -338,8 +337,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         if block_size < 2:
             raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
         dcfg.block_size = block_size
-    t = torch_backend.load_target(folder, tcfg, target_device, resolve_dtype(dtype, target_device),
-                                  layer_ids, max_context)
+    t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context)
     d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
@@ -356,17 +354,49 @@ def oversubscription(target_device: str, draft_device: str) -> list[str]:
     return []
 
 
+def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context):
+    if device == "mlx":
+        from backends import mlx_backend
+        return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
+    return torch_backend.load_target(folder, cfg, device, resolve_dtype(dtype, device), layer_ids, max_context)
+
+
 def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors: dict, notes: list[str]):
     """The draft on its device. Reduced-precision devices come with the float32 reference alongside
     (ShadowedDraft), which measures their precision drift."""
-    if device != "ane-sim":
+    if device == "mlx":
+        from backends import mlx_backend
+        return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
+    if device not in ("ane-sim", "ane", "coreml-gpu", "coreml-cpu"):
         return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
-    from backends.coreml import AneSimDraft
-
     reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
-    notes.append("draft device ane-sim is an EMULATION of the Neural Engine's fp16 arithmetic on the CPU: "
-                 "its numerics emulate the ANE fp16 format, its timings say nothing about the ANE")
-    return ShadowedDraft(AneSimDraft(reference), reference)
+    if device == "ane-sim":
+        from backends.coreml import AneSimDraft
+
+        notes.append("draft device ane-sim is an EMULATION of the Neural Engine's fp16 arithmetic on the CPU: "
+                     "its numerics emulate the ANE fp16 format, its timings say nothing about the ANE")
+        return ShadowedDraft(AneSimDraft(reference), reference)
+    from backends.coreml.device import CoreMLDraft
+
+    package = compiled_package(reference, dfolder)
+    notes.append(f"draft on {device} through Core ML ({package}); drift measured on every 8th block")
+    return ShadowedDraft(CoreMLDraft.open(reference, package, device), reference, every=8)
+
+
+def compiled_package(reference, dfolder) -> Path:
+    """The draft's Core ML package, compiled once into the cache (keyed by the draft's folder)."""
+    import hashlib
+
+    from ane_compiler.compile import convert
+
+    from .home import home
+
+    key = hashlib.sha1(str(Path(dfolder or "random").resolve()).encode()).hexdigest()[:12]
+    package = home() / "compiled" / f"draft-{key}-b{reference.block_size}.mlpackage"
+    if not package.exists():
+        package.parent.mkdir(parents=True, exist_ok=True)
+        convert(reference, package)
+    return package
 
 
 def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draft_device: str,

@@ -132,3 +132,30 @@ def test_compile_ane_writes_a_package_coremltools_reopens(tmp_path, tiny_llama, 
     assert report["inputs"]["features"] == [32, 3 * 64] and report["outputs"]["logits"] == [5, 64]
     assert report["ane_unfriendly"] == {} and "gather" not in report["ops"]
     assert report["drift_vs_float32"]["cosine"] > 0.999
+
+
+class GraphAsPackage:
+    """Stands in for coremltools' MLModel (prediction needs macOS): runs the same graph in float32 on
+    the padded, masked inputs the Core ML device builds."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def predict(self, inputs: dict) -> dict:
+        tensors = [torch.from_numpy(inputs[k]) for k in ("block_embeddings", "features", "feature_eps", "ctx_cos",
+                                                        "ctx_sin", "blk_cos", "blk_sin", "ctx_bias")]
+        logits, hidden = self.graph.body(*tensors)
+        return {"logits": logits.numpy(), "hidden": hidden.numpy()}
+
+
+def test_core_ml_device_pads_and_masks_the_window_exactly(tiny_llama, tiny_draft):
+    from backends.coreml.device import CoreMLDraft
+
+    rt = load(str(tiny_llama), str(tiny_draft))
+    features = context_and_block(rt, [5, 9, 12, 20, 7, 33])
+    reference = rt.draft
+    reference.add_context(features)
+    expected = reference.propose(11)
+    package = CoreMLDraft(reference, GraphAsPackage(SafeDraftGraph(reference)), "ane", window=16)
+    package.add_context(features)  # 6 positions in a 16-slot window: 10 padded, masked slots
+    assert torch.allclose(package.propose(11), expected, atol=1e-4, rtol=1e-4)

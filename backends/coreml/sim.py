@@ -10,53 +10,20 @@ import torch
 
 from ane_compiler.graph import SafeDraftGraph, to_fp16
 
-from ..base import DraftBackend
-
-WINDOW = 1024  # context positions given to the graph (the compiled package has a fixed window)
+from .host import WINDOW, WindowedDraft
 
 
-class AneSimDraft(DraftBackend):
+class AneSimDraft(WindowedDraft):
     device = "ane-sim"
     emulated = True
 
     def __init__(self, reference, window: int = WINDOW):
-        """reference: the loaded float32 TorchDraft whose weights and RoPE tables this draft uses."""
+        super().__init__(reference, window)
         self.graph = SafeDraftGraph(reference, rounding=to_fp16)
-        self.rope, self.window = reference.rope, window
-        self.block_size, self.mask_token_id = reference.block_size, reference.mask_token_id
-        self.eps = reference.arch.rms_norm_eps
-        self.features = torch.zeros(0, reference.fc.shape[0])
-        self.last_hidden: torch.Tensor | None = None
-
-    @property
-    def context_length(self) -> int:
-        return self.features.shape[0]
-
-    def add_context(self, features: torch.Tensor) -> None:
-        self.features = torch.cat([self.features, features.detach().float().cpu()])
-
-    def crop(self, length: int) -> None:
-        self.features = self.features[:length]
-
-    def fork(self, target) -> "AneSimDraft":
-        twin = object.__new__(AneSimDraft)
-        twin.__dict__.update(self.__dict__, features=self.features[:0], last_hidden=None)
-        return twin
 
     @torch.inference_mode()
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
-        start = self.context_length if position is None else position
-        size = min(size or self.block_size, self.block_size)
-        first = max(0, self.context_length - self.window)
-        feats = self.features[first:]
-        scale = feats.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # float32, on the host
-        ids = torch.full((size,), self.mask_token_id)
-        ids[0] = anchor
-        ctx_cos, ctx_sin = self.rope.at(first, feats.shape[0])
-        blk_cos, blk_sin = self.rope.at(start, size)
+        x = self.inputs(anchor, position, min(size or self.block_size, self.block_size))
         r = self.graph.round  # inputs enter the graph in its number format
-        logits, hidden = self.graph(ids, r(feats / scale), self.eps / scale ** 2, r(ctx_cos.float()),
-                                    r(ctx_sin.float()), r(blk_cos.float()), r(blk_sin.float()),
-                                    torch.zeros(feats.shape[0]))
-        self.last_hidden = hidden
+        logits, self.last_hidden = self.graph.body(*(r(v) if k != "feature_eps" else v for k, v in x.items()))
         return logits

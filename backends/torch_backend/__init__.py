@@ -30,5 +30,11 @@ def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str,
                mask_token_id: int, tensors: dict | None = None) -> TorchDraft:
     tensors = tensors if tensors is not None else load_weights(folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
-    return TorchDraft(cfg, tensors, folder, device, dtype, target.embed, target.lm_head, feature_size,
-                      mask_token_id, target.max_context)
+    return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
+                      feature_size, mask_token_id, target.max_context)
+
+
+def as_torch(x) -> torch.Tensor:
+    """The target's shared embedding/head as a torch tensor (another backend's target holds its own arrays)."""
+    import numpy as np
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))

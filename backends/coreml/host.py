@@ -1,0 +1,62 @@
+"""What the host does for a compiled draft graph: keep the context features, cut the window, scale each
+token's features by its max|x| (float32, exact for fc + RMSNorm), look up the block's embeddings and
+build RoPE tables. `ane-sim` and the Core ML devices differ only in who runs the graph."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import DraftBackend
+
+WINDOW = 512  # context positions given to the graph (a compiled package has exactly this many)
+
+
+class WindowedDraft(DraftBackend):
+    pad = False  # True: fixed shapes (a compiled package): pad the window, mask the unused slots
+
+    def __init__(self, reference, window: int = WINDOW):
+        """reference: the loaded float32 TorchDraft (weights, embeddings, RoPE tables)."""
+        self.embed, self.rope, self.window = reference.embed.float(), reference.rope, window
+        self.block_size, self.mask_token_id = reference.block_size, reference.mask_token_id
+        self.eps = reference.arch.rms_norm_eps
+        self.features = torch.zeros(0, reference.fc.shape[0])
+        self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def context_length(self) -> int:
+        return self.features.shape[0]
+
+    def add_context(self, features: torch.Tensor) -> None:
+        self.features = torch.cat([self.features, features.detach().float().cpu()])
+
+    def crop(self, length: int) -> None:
+        self.features = self.features[:length]
+
+    def fork(self, target) -> "WindowedDraft":
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__, features=self.features[:0], last_hidden=None)
+        return twin
+
+    def inputs(self, anchor: int, position: int | None, size: int) -> dict[str, torch.Tensor]:
+        start = self.context_length if position is None else position
+        first = max(0, self.context_length - self.window)
+        feats = self.features[first:]
+        used = feats.shape[0]
+        scale = feats.abs().amax(-1, keepdim=True)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        ids = torch.full((size,), self.mask_token_id)
+        ids[0] = anchor
+        ctx_cos, ctx_sin = self.rope.at(first, used)
+        blk_cos, blk_sin = self.rope.at(start, size)
+        x = {"block_embeddings": self.embed[ids], "features": feats / scale, "feature_eps": self.eps / scale ** 2,
+             "ctx_cos": ctx_cos.float(), "ctx_sin": ctx_sin.float(), "blk_cos": blk_cos.float(),
+             "blk_sin": blk_sin.float(), "ctx_bias": torch.zeros(used)}
+        if self.pad and used < self.window:
+            from ane_compiler.graph import MASKED
+            extra = self.window - used
+            for name in ("features", "ctx_cos", "ctx_sin"):
+                x[name] = torch.cat([x[name], torch.zeros(extra, x[name].shape[1])])
+            # a positive eps keeps the empty rows' RMSNorm at 0 * finite (0 / sqrt(0) would be NaN)
+            x["feature_eps"] = torch.cat([x["feature_eps"], torch.ones(extra, 1)])
+            x["ctx_bias"] = torch.cat([x["ctx_bias"], torch.full((extra,), MASKED)])
+        return x

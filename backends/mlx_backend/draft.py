@@ -1,0 +1,75 @@
+"""The DFlash draft in MLX (reference §2), the same math as backends/torch_backend/draft.py."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import torch
+
+from hetero_sd.config import DraftConfig
+from hetero_sd.weights import take
+
+from ..base import DraftBackend
+from .layers import Block, KVCache, Rope, rms_norm, to_mx
+from .target import to_torch
+
+
+class MLXDraft(DraftBackend):
+    device = "mlx"
+
+    def __init__(self, cfg: DraftConfig, tensors: dict, where, embed, lm_head, feature_size: int,
+                 mask_token_id: int, dtype=mx.float32):
+        """embed [vocab, hidden] and lm_head [hidden, vocab]: the target's, as torch or MLX arrays."""
+        arch = self.arch = cfg.arch
+        self.block_size, self.mask_token_id, self.dtype = cfg.block_size, mask_token_id, dtype
+        h = arch.hidden_size
+        self.fc = to_mx(take(tensors, "fc.weight", (h, feature_size), where).t(), dtype)
+        self.hidden_norm = to_mx(take(tensors, "hidden_norm.weight", (h,), where), dtype)
+        self.norm = to_mx(take(tensors, "norm.weight", (h,), where), dtype)
+        self.blocks = [Block(arch, tensors, f"layers.{i}.", where, dtype) for i in range(arch.num_hidden_layers)]
+        self.embed = embed.astype(dtype) if isinstance(embed, mx.array) else to_mx(embed, dtype)
+        self.lm_head = lm_head.astype(dtype) if isinstance(lm_head, mx.array) else to_mx(lm_head, dtype)
+        self.rope = Rope(arch, dtype)
+        self.cache = KVCache(arch, arch.num_hidden_layers, dtype)
+        self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.length
+
+    def crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)
+
+    def fork(self, target) -> "MLXDraft":
+        twin = copy.copy(self)
+        twin.cache = self.cache.empty_like()
+        return twin
+
+    def add_context(self, features: torch.Tensor) -> None:
+        start, count = self.cache.length, features.shape[0]
+        fused = rms_norm(to_mx(features, self.dtype)[None] @ self.fc, self.hidden_norm, self.arch.rms_norm_eps)
+        cos, sin = self.rope.at(start, count)
+        for i, block in enumerate(self.blocks):
+            k, v = block.project(fused, cos, sin, queries=False)  # fused features feed k/v directly
+            self.cache.write(i, start, k, v)
+        self.cache.length = start + count
+        mx.eval(*self.cache.k, *self.cache.v)
+
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
+        start, eps = self.cache.length, self.arch.rms_norm_eps
+        size = min(size or self.block_size, self.block_size)
+        h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (size - 1)])]
+        cos, sin = self.rope.at(start if position is None else position, size)
+        for i, block in enumerate(self.blocks):
+            q, k, v = block.project(rms_norm(h, block.in_norm, eps), cos, sin)
+            context_k, context_v = self.cache.k[i], self.cache.v[i]
+            if context_k is not None and start > 0:  # the block's K/V are used once, never kept
+                k = mx.concatenate([context_k[:, :, :start], k], 2)
+                v = mx.concatenate([context_v[:, :, :start], v], 2)
+            h = block.attend(h, q, k, v, None)
+        hidden = rms_norm(h[0, 1:], self.norm, eps)
+        logits = hidden @ self.lm_head
+        mx.eval(logits, hidden)
+        self.last_hidden = to_torch(hidden)
+        return to_torch(logits)
