@@ -3,7 +3,8 @@
 Conversion goes through torch.export (coremltools' torch.jit.trace route breaks on numpy >= 2.4).
 The package takes the block's token embeddings and a fixed window of context features as inputs
 (stateful KV caches are often rejected by the ANE compiler), so it has no state and no gather over the
-vocabulary; the host looks up the embeddings, scales the features per token, and builds RoPE tables."""
+vocabulary; the host looks up the embeddings, scales the features per token, and builds RoPE tables.
+Everything is channels-first (1, C, 1, S) with 1x1 convolutions (graph.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from .graph import SafeDraftGraph
+from .graph import INPUTS, SafeDraftGraph
 
-INPUTS = ("block_embeddings", "features", "feature_eps", "ctx_cos", "ctx_sin", "blk_cos", "blk_sin", "ctx_bias")
 # MIL ops the Neural Engine does not run (Core ML places them on the CPU/GPU), with why they may stay.
 ANE_UNFRIENDLY = {
     "gather": "vocabulary-sized lookups: done on the host instead",
@@ -29,22 +28,11 @@ ANE_UNFRIENDLY = {
 }
 
 
-class Exported(nn.Module):
-    """The graph with embeddings as an input (no vocabulary gather inside the package)."""
-
-    def __init__(self, graph: SafeDraftGraph):
-        super().__init__()
-        self.draft = graph  # not "graph": that name is taken on the exported GraphModule
-
-    def forward(self, block_embeddings, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias):
-        return self.draft.body(block_embeddings, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias)
-
-
 def example_inputs(graph: SafeDraftGraph, block: int, window: int) -> tuple[torch.Tensor, ...]:
-    a = graph.arch
-    return (torch.zeros(block, a.hidden_size), torch.zeros(window, graph.w.fc.shape[0]), torch.zeros(window, 1),
-            torch.ones(window, a.head_dim), torch.zeros(window, a.head_dim), torch.ones(block, a.head_dim),
-            torch.zeros(block, a.head_dim), torch.zeros(window))
+    a, f = graph.arch, graph.w.fc.shape[1]
+    return (torch.zeros(1, a.hidden_size, 1, block), torch.zeros(1, f, 1, window), torch.ones(1, 1, 1, window),
+            torch.ones(1, a.head_dim, 1, window), torch.zeros(1, a.head_dim, 1, window),
+            torch.ones(1, a.head_dim, 1, block), torch.zeros(1, a.head_dim, 1, block), torch.zeros(1, window, 1, 1))
 
 
 def convert(draft, out: Path, window: int = 512, block: int | None = None):
@@ -55,7 +43,7 @@ def convert(draft, out: Path, window: int = 512, block: int | None = None):
     block = block or draft.block_size
     inputs = example_inputs(graph, block, window)
     with torch.no_grad():
-        program = torch.export.export(Exported(graph).eval(), inputs).run_decompositions({})
+        program = torch.export.export(graph.eval(), inputs).run_decompositions({})
     model = ct.convert(program, inputs=[ct.TensorType(name=n, shape=x.shape) for n, x in zip(INPUTS, inputs)],
                        outputs=[ct.TensorType(name="logits"), ct.TensorType(name="hidden")],
                        convert_to="mlprogram", compute_precision=ct.precision.FLOAT16,
@@ -66,9 +54,9 @@ def convert(draft, out: Path, window: int = 512, block: int | None = None):
 
 # Ops the ANE runs, but at a cost worth knowing about.
 ANE_COSTLY = {
-    "reshape": "head split/merge in the (S, C) layout; the channels-first (1, C, 1, S) layout would remove most",
-    "transpose": "head split/merge and k^T in the (S, C) layout; same remedy",
-    "tile": "grouped-query attention repeats K/V heads for the query heads",
+    "reshape": "a layout change (left by the einsum lowering)",
+    "transpose": "k^T per head for q.k, and any layout change left by the einsum lowering",
+    "tile": "repeated K/V heads",
 }
 
 

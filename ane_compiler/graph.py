@@ -1,7 +1,11 @@
-"""The DFlash draft rewritten to be safe in fp16 (reference §6), as one static graph.
+"""The DFlash draft rewritten for the Apple Neural Engine (reference §6), as one static graph.
 
-Inputs are what the ANE can take: the block's token ids, a window of context features given
+Inputs are what the ANE can take: the block's token embeddings, a window of context features given
 explicitly (no stateful KV cache), RoPE tables, and an additive mask for unused window slots.
+
+Layout: channels-first (1, C, 1, S) throughout, every linear layer a 1x1 convolution, attention split
+per head along the channel axis (grouped-query heads pick their K/V head by index: no tiling), so the
+only layout change left is one transpose of each K head.
 
 fp16 safety comes from exact rewrites, not clamps:
 - fc + hidden_norm is invariant to a positive per-token scale of its input (RMSNorm(W(x/s)) =
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MASKED = -1.0e4
+INPUTS = ("block_embeddings", "features", "feature_eps", "ctx_cos", "ctx_sin", "blk_cos", "blk_sin", "ctx_bias")
 
 
 def to_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -33,14 +38,26 @@ def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-LAYER = ("wqkv", "bqkv", "wo", "w_gate_up", "w_down", "in_norm", "post_norm", "q_norm", "k_norm")
+def channels_first(x: torch.Tensor) -> torch.Tensor:
+    """[S, C] -> [1, C, 1, S]."""
+    return x.t()[None, :, None, :]
+
+
+def sequence_first(x: torch.Tensor) -> torch.Tensor:
+    """[1, C, 1, S] -> [S, C]."""
+    return x[0, :, 0, :].t()
 
 
 def holding(tensors: dict, rounding) -> nn.Module:
-    """A module whose buffers are these tensors (float32, rounded to the graph's format), for export."""
+    """A module whose buffers are these tensors (float32, rounded to the graph's format), for export.
+    Weights stored [in, out] (the torch backend's layout) become 1x1 convolution kernels [out, in, 1, 1]."""
     m = nn.Module()
     for name, t in tensors.items():
-        m.register_buffer(name, None if t is None else rounding(t.detach().float().clone()))
+        if t is not None:
+            t = t.detach().float()
+            t = t.t().contiguous()[:, :, None, None] if t.dim() == 2 else t[None, :, None, None].clone()
+            t = rounding(t)
+        m.register_buffer(name, t)
     return m
 
 
@@ -50,68 +67,73 @@ class SafeDraftGraph(nn.Module):
         super().__init__()
         self.arch, self.round = draft.arch, rounding
         self.w = holding({"fc": draft.fc, "hidden_norm": draft.hidden_norm, "norm": draft.norm,
-                          "embed": draft.embed, "lm_head": draft.lm_head}, rounding)
-        self.layers = nn.ModuleList(holding({n: getattr(b, n) for n in LAYER} | {"wkv": b.wkv, "bkv": b.bkv}, rounding)
-                                    for b in draft.blocks)
-        self.nq, self.nkv = draft.blocks[0].nq, draft.blocks[0].nkv
+                          "lm_head": draft.lm_head}, rounding)
+        names = ("wqkv", "bqkv", "wo", "w_gate_up", "w_down", "in_norm", "post_norm", "q_norm", "k_norm")
+        self.layers = nn.ModuleList(holding({n: getattr(b, n) for n in names} | {"wkv": b.wkv, "bkv": b.bkv},
+                                            rounding) for b in draft.blocks)
+        self.nq, self.nkv, self.hidden = draft.blocks[0].nq, draft.blocks[0].nkv, draft.arch.hidden_size
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.round(F.conv2d(x, weight))
+        return y if bias is None else self.round(y + bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
+        """Over the channel axis, with the input divided by its own max|x| before the square."""
         r = self.round
-        scale = r(x.abs().amax(-1, keepdim=True)).clamp_min(1e-6)
+        scale = r(x.abs().amax(1, keepdim=True)).clamp_min(1e-6)
         y = r(x / scale)
-        mean_sq = r((y * y).mean(-1, keepdim=True))
+        mean_sq = r((y * y).mean(1, keepdim=True))
         return r(weight * r(y * r(torch.rsqrt(r(mean_sq + r(r(eps / scale) / scale))))))
 
-    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(x.shape[0], n, self.arch.head_dim).transpose(0, 1)
-
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, half = self.round, x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        r, half = self.round, x.shape[1] // 2
+        rotated = torch.cat([-x[:, half:], x[:, :half]], 1)
         return r(r(x * cos) + r(rotated * sin))
 
-    def project(self, x, w, cos, sin, queries: bool):
-        """Normed input -> (q,) k, v heads with qk-norm and RoPE; queries=False skips q."""
-        r, a, nh, nkv = self.round, self.arch, self.arch.num_attention_heads, self.arch.num_key_value_heads
-        out = r(x @ (w.wqkv if queries else w.wkv))  # no full-width slice: it exports as an alias op
-        if w.bqkv is not None:
-            out = r(out + (w.bqkv if queries else w.bkv))
-        parts = out.split(([self.nq] if queries else []) + [self.nkv, self.nkv], -1)
-        q, (k, v) = (parts[0] if queries else None), parts[-2:]
-        k = self.heads(k, nkv)
-        if w.k_norm is not None:
-            k = self.rms_norm(k, w.k_norm, a.rms_norm_eps)
-        k, v = self.rope(k, cos, sin), self.heads(v, nkv)
-        if not queries:
-            return k, v
-        q = self.heads(q, nh)
-        if w.q_norm is not None:
-            q = self.rms_norm(q, w.q_norm, a.rms_norm_eps)
-        return self.rope(r(q * a.head_dim ** -0.5), cos, sin), k, v  # scaled before q.k, not after
+    def heads(self, x: torch.Tensor, norm: torch.Tensor | None, cos, sin, scale: float = 1.0) -> list[torch.Tensor]:
+        """[1, n*hd, 1, S] -> n heads [1, hd, 1, S], each qk-normed (if the model does), scaled, rotated."""
+        out = []
+        for head in x.split(self.arch.head_dim, dim=1):
+            if norm is not None:
+                head = self.rms_norm(head, norm, self.arch.rms_norm_eps)
+            if scale != 1.0:
+                head = self.round(head * scale)
+            out.append(self.rope(head, cos, sin))
+        return out
 
-    def attend(self, q, keys, values, bias):
-        r, groups = self.round, self.arch.num_attention_heads // self.arch.num_key_value_heads
-        keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        scores = r(r(q @ keys.transpose(-1, -2)) + bias)
-        return r(r(scores.softmax(-1)) @ values)
+    def keys_values(self, x, w, cos, sin):
+        k, v = self.conv(x, w.wkv, w.bkv).split([self.nkv, self.nkv], 1)
+        return self.heads(k, w.k_norm, cos, sin), list(v.split(self.arch.head_dim, dim=1))
 
-    def forward(self, block_ids, *inputs):
-        """block_ids [B]; the rest as for `body`."""
-        return self.body(self.round(F.embedding(block_ids, self.w.embed)), *inputs)
-
-    def body(self, h, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias):
-        """h: the block's embeddings [B, hidden]; features [W, F] already divided by their per-token
-        max|x|; feature_eps [W, 1] = eps / scale^2; RoPE tables [W or B, head_dim]; ctx_bias [W] (0 or
-        MASKED for unused window slots). Returns logits [B-1, vocab] and final normed hidden [B-1, hidden]."""
+    def attention(self, x, ctx, w, blk_cos, blk_sin, ctx_cos, ctx_sin, bias) -> torch.Tensor:
         r, a = self.round, self.arch
-        ctx = self.rms_norm(r(features @ self.w.fc), self.w.hidden_norm, feature_eps)
-        bias = torch.cat([ctx_bias, torch.zeros(h.shape[0], dtype=ctx_bias.dtype)])
+        q, k, v = self.conv(x, w.wqkv, w.bqkv).split([self.nq, self.nkv, self.nkv], 1)
+        queries = self.heads(q, w.q_norm, blk_cos, blk_sin, a.head_dim ** -0.5)  # scaled before q.k
+        keys, values = self.heads(k, w.k_norm, blk_cos, blk_sin), list(v.split(a.head_dim, dim=1))
+        ctx_keys, ctx_values = self.keys_values(ctx, w, ctx_cos, ctx_sin)
+        groups, out = a.num_attention_heads // a.num_key_value_heads, []
+        for i, query in enumerate(queries):
+            key = torch.cat([ctx_keys[i // groups], keys[i // groups]], 3).transpose(1, 3)  # [1, Sk, 1, hd]
+            value = torch.cat([ctx_values[i // groups], values[i // groups]], 3)  # [1, hd, 1, Sk]
+            scores = r(r(torch.einsum("bchq,bkhc->bkhq", query, key)) + bias)  # [1, Sk, 1, Sq]
+            weights = r(scores.softmax(1))
+            out.append(r(torch.einsum("bkhq,bchk->bchq", weights, value)))
+        return self.conv(torch.cat(out, 1), w.wo)
+
+    def forward(self, block_embeddings, features, feature_eps, ctx_cos, ctx_sin, blk_cos, blk_sin, ctx_bias):
+        """All channels-first: block_embeddings [1, hidden, 1, B]; features [1, F, 1, W] already divided
+        by their per-token max|x|; feature_eps [1, 1, 1, W] = eps / scale^2; RoPE tables [1, head_dim, 1,
+        W or B]; ctx_bias [1, W, 1, 1] (0, or MASKED for unused window slots).
+        Returns logits [1, vocab, 1, B-1] and the final normed hidden states [1, hidden, 1, B-1]."""
+        r, a = self.round, self.arch
+        ctx = self.rms_norm(self.conv(features, self.w.fc), self.w.hidden_norm, feature_eps)
+        bias = torch.cat([ctx_bias, torch.zeros(1, block_embeddings.shape[3], 1, 1, dtype=ctx_bias.dtype)], 1)
+        h = block_embeddings
         for w in self.layers:
-            q, k, v = self.project(self.rms_norm(h, w.in_norm, a.rms_norm_eps), w, blk_cos, blk_sin, True)
-            ck, cv = self.project(ctx, w, ctx_cos, ctx_sin, False)
-            o = self.attend(q, torch.cat([ck, k], 1), torch.cat([cv, v], 1), bias)
-            h = r(h + r(o.transpose(0, 1).reshape(h.shape[0], self.nq) @ w.wo))
-            gate, up = r(self.rms_norm(h, w.post_norm, a.rms_norm_eps) @ w.w_gate_up).chunk(2, -1)
-            h = r(h + r(r(r(F.silu(gate)) * up) @ w.w_down))
-        hidden = self.rms_norm(h[1:], self.w.norm, a.rms_norm_eps)
-        return r(hidden @ self.w.lm_head), hidden
+            attended = self.attention(self.rms_norm(h, w.in_norm, a.rms_norm_eps), ctx, w,
+                                      blk_cos, blk_sin, ctx_cos, ctx_sin, bias)
+            h = r(h + attended)
+            gate, up = self.conv(self.rms_norm(h, w.post_norm, a.rms_norm_eps), w.w_gate_up).chunk(2, 1)
+            h = r(h + self.conv(r(r(F.silu(gate)) * up), w.w_down))
+        hidden = self.rms_norm(h[:, :, :, 1:], self.w.norm, a.rms_norm_eps)
+        return self.conv(hidden, self.w.lm_head), hidden

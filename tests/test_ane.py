@@ -129,8 +129,9 @@ def test_compile_ane_writes_a_package_coremltools_reopens(tmp_path, tiny_llama, 
     names = [f.name for f in model.get_spec().description.input]
     assert names[:2] == ["block_embeddings", "features"]
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["inputs"]["features"] == [32, 3 * 64] and report["outputs"]["logits"] == [5, 64]
-    assert report["ane_unfriendly"] == {} and "gather" not in report["ops"]
+    assert report["inputs"]["features"] == [1, 3 * 64, 1, 32] and report["outputs"]["logits"] == [1, 64, 1, 5]
+    assert report["ane_unfriendly"] == {} and "gather" not in report["ops"] and "tile" not in report["ops"]
+    assert report["ops"].get("conv", 0) >= 2 * 4 + 2  # linear layers are 1x1 convolutions
     assert report["drift_vs_float32"]["cosine"] > 0.999
 
 
@@ -144,7 +145,7 @@ class GraphAsPackage:
     def predict(self, inputs: dict) -> dict:
         tensors = [torch.from_numpy(inputs[k]) for k in ("block_embeddings", "features", "feature_eps", "ctx_cos",
                                                         "ctx_sin", "blk_cos", "blk_sin", "ctx_bias")]
-        logits, hidden = self.graph.body(*tensors)
+        logits, hidden = self.graph(*tensors)
         return {"logits": logits.numpy(), "hidden": hidden.numpy()}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ane_compiler.graph import sequence_first
+
 from .host import WINDOW, WindowedDraft
 
 COMPUTE_UNITS = {"ane": "CPU_AND_NE", "coreml-gpu": "CPU_AND_GPU", "coreml-cpu": "CPU_ONLY"}
@@ -34,5 +36,6 @@ class CoreMLDraft(WindowedDraft):
         size = min(size or self.block_size, self.block_size)
         x = self.inputs(anchor, position, self.block_size)
         out = self.model.predict({k: v.numpy().astype(np.float32) for k, v in x.items()})
-        self.last_hidden = torch.from_numpy(np.asarray(out["hidden"], dtype=np.float32))[:size - 1]
-        return torch.from_numpy(np.asarray(out["logits"], dtype=np.float32))[:size - 1]
+        as_rows = lambda name: sequence_first(torch.from_numpy(np.asarray(out[name], dtype=np.float32)))[:size - 1]
+        self.last_hidden = as_rows("hidden")
+        return as_rows("logits")

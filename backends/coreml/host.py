@@ -1,10 +1,13 @@
 """What the host does for a compiled draft graph: keep the context features, cut the window, scale each
-token's features by its max|x| (float32, exact for fc + RMSNorm), look up the block's embeddings and
-build RoPE tables. `ane-sim` and the Core ML devices differ only in who runs the graph."""
+token's features by its max|x| (float32, exact for fc + RMSNorm), look up the block's embeddings,
+build RoPE tables, and hand everything over channels-first. `ane-sim` and the Core ML devices differ
+only in who runs the graph."""
 
 from __future__ import annotations
 
 import torch
+
+from ane_compiler.graph import channels_first
 
 from ..base import DraftBackend
 
@@ -50,7 +53,7 @@ class WindowedDraft(DraftBackend):
         blk_cos, blk_sin = self.rope.at(start, size)
         x = {"block_embeddings": self.embed[ids], "features": feats / scale, "feature_eps": self.eps / scale ** 2,
              "ctx_cos": ctx_cos.float(), "ctx_sin": ctx_sin.float(), "blk_cos": blk_cos.float(),
-             "blk_sin": blk_sin.float(), "ctx_bias": torch.zeros(used)}
+             "blk_sin": blk_sin.float(), "ctx_bias": torch.zeros(used, 1)}
         if self.pad and used < self.window:
             from ane_compiler.graph import MASKED
             extra = self.window - used
@@ -58,5 +61,7 @@ class WindowedDraft(DraftBackend):
                 x[name] = torch.cat([x[name], torch.zeros(extra, x[name].shape[1])])
             # a positive eps keeps the empty rows' RMSNorm at 0 * finite (0 / sqrt(0) would be NaN)
             x["feature_eps"] = torch.cat([x["feature_eps"], torch.ones(extra, 1)])
-            x["ctx_bias"] = torch.cat([x["ctx_bias"], torch.full((extra,), MASKED)])
+            x["ctx_bias"] = torch.cat([x["ctx_bias"], torch.full((extra, 1), MASKED)])
+        x = {k: channels_first(v) for k, v in x.items()}
+        x["ctx_bias"] = x["ctx_bias"].permute(0, 3, 2, 1)  # [1, W, 1, 1]: keys run along axis 1 of the scores
         return x

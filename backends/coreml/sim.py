@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ane_compiler.graph import SafeDraftGraph, to_fp16
+from ane_compiler.graph import SafeDraftGraph, sequence_first, to_fp16
 
 from .host import WINDOW, WindowedDraft
 
@@ -25,5 +25,6 @@ class AneSimDraft(WindowedDraft):
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
         x = self.inputs(anchor, position, min(size or self.block_size, self.block_size))
         r = self.graph.round  # inputs enter the graph in its number format
-        logits, self.last_hidden = self.graph.body(*(r(v) if k != "feature_eps" else v for k, v in x.items()))
-        return logits
+        logits, hidden = self.graph(*(r(v) if k != "feature_eps" else v for k, v in x.items()))
+        self.last_hidden = sequence_first(hidden)
+        return sequence_first(logits)
