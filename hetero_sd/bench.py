@@ -154,10 +154,24 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
         "draft_acceptance_rate": total.draft_acceptance_rate,
         "time_split_s": {"prefill": total.prefill_s, "draft": total.draft_s, "verify": total.verify_s,
                          "other": total.other_s},
-        "notes": runtime.notes, "prompts": rows,
+        "categories": categories(rows), "notes": runtime.notes, "prompts": rows,
         "timelines": [(f"{s} block {b or 'fixed'} #{g.stats.request}", g.stats.timeline)
                       for (s, b), gens in runs.items() for g in (gens if s != "pipeline" else gens[:1])],
     }
+
+
+def categories(rows: list[dict]) -> dict:
+    """Per-category totals of the first schedule against the baseline."""
+    out = {}
+    for name in dict.fromkeys(r["category"] for r in rows):
+        mine = [r for r in rows if r["category"] == name and "spec_tokens" in r]
+        if not mine:
+            continue
+        base = sum(r["baseline_tokens"] for r in mine) / sum(r["baseline_s"] for r in mine)
+        spec = sum(r["spec_tokens"] for r in mine) / sum(r["spec_s"] for r in mine)
+        out[name] = {"prompts": len(mine), "baseline_tokens_per_s": base, "spec_tokens_per_s": spec,
+                     "speedup": spec / base, "tau": sum(r["tau"] for r in mine) / len(mine)}
+    return out
 
 
 def merge(gens: list, block_size: int) -> Stats:

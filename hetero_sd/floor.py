@@ -1,0 +1,50 @@
+"""The physical floor of one decode step: every weight (and the KV cache so far) is read once per
+token, so a step cannot take less than bytes / memory bandwidth. Bandwidth is measured here, with the
+process's torch threads, as the best of a few full reads of a buffer much larger than the caches."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+BUFFER_MB = 512
+
+
+def read_bandwidth_gb_s(repeats: int = 5, buffer_mb: int = BUFFER_MB) -> float:
+    x = torch.ones(buffer_mb * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - began)
+    return x.nbytes / best / 1e9
+
+
+def target_bytes(target) -> tuple[int, int]:
+    """(bytes of weights read per decode step, bytes of KV cache per position) for a torch target."""
+    weights = target.lm_head.nbytes + target.norm.nbytes + target.embed[0].nbytes  # one embedding row
+    for block in target.blocks:
+        weights += sum(t.nbytes for t in (block.wqkv, block.wo, block.w_gate_up, block.w_down, block.in_norm,
+                                          block.post_norm) if t is not None)
+    cfg = target.config
+    kv_per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * target.lm_head.element_size()
+    return weights, kv_per_position
+
+
+def floor_report(target, context: int, systems: dict[str, float], gguf_bytes: int | None = None) -> dict:
+    """systems: name -> measured tokens/s. The floor is computed for our float32 weights, and for the
+    GGUF's (quantised) size where a GGUF peer ran, since each system reads its own weights."""
+    bandwidth = read_bandwidth_gb_s()
+    weights, kv = target_bytes(target)
+    step_bytes = weights + kv * context
+    floor_tps = bandwidth * 1e9 / step_bytes
+    out = {"read_bandwidth_gb_s": bandwidth, "weight_bytes": weights, "kv_bytes_per_position": kv,
+           "context": context, "step_bytes": step_bytes, "floor_tokens_per_s": floor_tps,
+           "fraction_of_floor": {name: tps / floor_tps for name, tps in systems.items()
+                                 if name != "llama.cpp"}}
+    if gguf_bytes and "llama.cpp" in systems:
+        gguf_floor = bandwidth * 1e9 / (gguf_bytes + kv * context)
+        out.update(gguf_bytes=gguf_bytes, gguf_floor_tokens_per_s=gguf_floor)
+        out["fraction_of_floor"]["llama.cpp"] = systems["llama.cpp"] / gguf_floor
+    return out

@@ -1,0 +1,109 @@
+"""Other systems on the same prompts, in the same process and run: transformers `generate`
+(autoregressive, and assisted generation with prompt lookup), llama.cpp through llama-cpp-python on
+the same GGUF, and mlx-lm. Each is optional: a peer that is not installed (or has no model to run)
+is skipped with a note saying how to get it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PEERS = ("transformers", "transformers-lookup", "llama.cpp", "mlx-lm")
+
+
+@dataclass
+class PeerRow:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    skipped: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self, spec_tokens_per_s: float) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s,
+                 ratio_to_spec=self.tokens_per_s / spec_tokens_per_s if spec_tokens_per_s and not self.skipped else None)
+        return d
+
+
+def peer_names(asked: str | None) -> list[str]:
+    if not asked:
+        return []
+    names = list(PEERS) if asked == "all" else [n.strip() for n in asked.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        from .errors import ConfigError
+        raise ConfigError(f"unknown peer(s) {', '.join(unknown)}", f"use some of {', '.join(PEERS)}, or all")
+    return names
+
+
+def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_tokens: int) -> list[PeerRow]:
+    """Greedy decoding of each prompt (token ids from our runtime's encoder, so every system sees the
+    same input), up to max_new_tokens or EOS."""
+    folder = Path(runtime.info["target"])
+    runners = {"transformers": lambda: hf_generate(folder, prompt_ids, max_new_tokens, lookup=False),
+               "transformers-lookup": lambda: hf_generate(folder, prompt_ids, max_new_tokens, lookup=True),
+               "llama.cpp": lambda: llama_cpp(runtime, prompt_ids, max_new_tokens),
+               "mlx-lm": lambda: mlx_lm(folder, prompt_ids, max_new_tokens)}
+    return [runners[name]() for name in names]
+
+
+def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool) -> PeerRow:
+    from transformers import AutoModelForCausalLM
+
+    name = "transformers-lookup" if lookup else "transformers"
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    row = PeerRow(name, note="HF generate, float32, greedy" + (", prompt lookup (10 tokens)" if lookup else ""))
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
+        for ids in prompt_ids:
+            began = time.perf_counter()
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            row.seconds += time.perf_counter() - began
+            row.tokens += out.shape[1] - len(ids)
+    return row
+
+
+def llama_cpp(runtime, prompt_ids, max_new_tokens: int) -> PeerRow:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return PeerRow("llama.cpp", skipped=True,
+                       note="not installed: pip install llama-cpp-python (builds llama.cpp, ~5 min)")
+    gguf = runtime.info.get("gguf")
+    if not gguf:
+        return PeerRow("llama.cpp", skipped=True, note="no GGUF for this target (the default target has one)")
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=4096, verbose=False)
+    row = PeerRow("llama.cpp", note=f"llama-cpp-python, same GGUF ({Path(gguf).name}), {threads} threads, greedy")
+    llm.create_completion(prompt_ids[0], max_tokens=4, temperature=0.0)  # warm-up
+    for ids in prompt_ids:
+        began = time.perf_counter()
+        out = llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0)
+        row.seconds += time.perf_counter() - began
+        row.tokens += out["usage"]["completion_tokens"]
+    return row
+
+
+def mlx_lm(folder: Path, prompt_ids, max_new_tokens: int) -> PeerRow:
+    try:
+        from mlx_lm import generate, load
+    except ImportError:
+        return PeerRow("mlx-lm", skipped=True, note="not installed: pip install mlx-lm")
+    model, tokenizer = load(str(folder))
+    row = PeerRow("mlx-lm", note="mlx-lm generate, greedy (on Linux: MLX's CPU build)")
+    generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4)  # warm-up
+    for ids in prompt_ids:
+        began = time.perf_counter()
+        text = generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens)
+        row.seconds += time.perf_counter() - began
+        row.tokens += len(tokenizer.encode(text, add_special_tokens=False))
+    return row
