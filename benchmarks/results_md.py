@@ -1,0 +1,133 @@
+"""Regenerate benchmarks/RESULTS.md (and a PNG chart) from bench JSON files.
+
+    python benchmarks/results_md.py benchmarks/results/full_*.json --out benchmarks/RESULTS.md \
+        --chart benchmarks/results/full.png
+
+Every figure in RESULTS.md comes from the JSON given; nothing is typed in by hand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(paths: list[str]) -> list[tuple[str, dict]]:
+    return [(Path(p).stem, json.loads(Path(p).read_text())) for p in paths]
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def machine_section(runs: list[tuple[str, dict]]) -> list[str]:
+    m = runs[0][1]["machine"]
+    return ["## Machine", "", f"- CPU: {m['cpu']} ({m['cores']} cores), {m['platform']}",
+            f"- Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), CUDA: {m['cuda'] or 'none'}",
+            f"- Target: `{runs[0][1]['models']['target']}`; draft: `{runs[0][1]['models']['draft']}` "
+            f"on {runs[0][1]['models']['draft_device']}", ""]
+
+
+def run_section(name: str, res: dict) -> list[str]:
+    s = res["settings"]
+    lines = [f"## {name}", "", f"Command: `{res['command']}`", "",
+             f"T={s['temperature']}, {s['max_new_tokens']} new tokens, {len(res['prompts'])} prompts; "
+             f"lossless (identical to the baseline): {res['lossless']}", "",
+             "| prompts | baseline tok/s | DFlash tok/s | speedup | tau |", "| --- | --- | --- | --- | --- |"]
+    for cat, c in res.get("categories", {}).items():
+        lines.append(f"| {cat or 'uncategorised'} ({c['prompts']}) | {c['baseline_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | "
+                     f"{c['speedup']:.2f}x | {c['tau']:.2f} |")
+    lines.append(f"| **all** | {res['baseline_tokens_per_s']:.1f} | {res['spec_tokens_per_s']:.1f} | "
+                 f"{res['speedup']:.2f}x | {res['tau']:.2f} |")
+    lines.append("")
+    if res.get("peers"):
+        fractions = res.get("floor", {}).get("fraction_of_floor", {})
+        lines += ["| system | tok/s | vs hetero-sd DFlash | of its decode floor | note |", "| --- | --- | --- | --- | --- |"]
+        for label, tps in (("hetero-sd autoregressive", res["baseline_tokens_per_s"]),
+                           ("hetero-sd DFlash", res["spec_tokens_per_s"])):
+            lines.append(f"| {label} | {tps:.1f} | {tps / res['spec_tokens_per_s']:.2f}x | "
+                         f"{pct(fractions.get(label))} | this run |")
+        for p in res["peers"]:
+            if p["skipped"]:
+                lines.append(f"| {p['name']} | - | - | - | skipped: {p['note']} |")
+            else:
+                lines.append(f"| {p['name']} | {p['tokens_per_s']:.1f} | {ratio(p['ratio_to_spec'])} | "
+                             f"{pct(fractions.get(p['name']))} | {p['note']} |")
+        lines.append("")
+    if res.get("floor"):
+        f = res["floor"]
+        lines += [f"Floor: {f['step_bytes'] / 1e6:.0f} MB read per float32 decode step (weights + KV at "
+                  f"{f['context']} positions) at a measured {f['read_bandwidth_gb_s']:.1f} GB/s: at most "
+                  f"{f['floor_tokens_per_s']:.1f} tok/s for one token per weight read."
+                  + (f" The GGUF peer reads {f['gguf_bytes'] / 1e6:.0f} MB per step (quantised): its floor is "
+                     f"{f['gguf_floor_tokens_per_s']:.1f} tok/s." if "gguf_bytes" in f else ""), ""]
+    return lines
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def verdict(runs: list[tuple[str, dict]]) -> list[str]:
+    """Where we are ahead and where behind, from the numbers."""
+    lines = ["## Ahead and behind", ""]
+    for name, res in runs:
+        spec = res["spec_tokens_per_s"]
+        lines.append(f"- {name}: DFlash vs our own autoregressive baseline: {res['speedup']:.2f}x "
+                     f"({'ahead' if res['speedup'] > 1 else 'behind'}).")
+        for p in res.get("peers", []):
+            if not p["skipped"]:
+                ahead = spec > p["tokens_per_s"]
+                lines.append(f"  - vs {p['name']}: {spec / p['tokens_per_s']:.2f}x "
+                             f"({'ahead' if ahead else 'behind'}: {p['tokens_per_s']:.1f} tok/s)")
+    return lines + [""]
+
+
+def chart(runs: list[tuple[str, dict]], out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels, base, spec, taus = [], [], [], []
+    for name, res in runs:
+        for cat, c in res.get("categories", {}).items():
+            labels.append(f"{name}\n{cat}")
+            base.append(c["baseline_tokens_per_s"])
+            spec.append(c["spec_tokens_per_s"])
+            taus.append(c["tau"])
+    x = range(len(labels))
+    ax1.bar([i - 0.2 for i in x], base, 0.4, label="autoregressive")
+    ax1.bar([i + 0.2 for i in x], spec, 0.4, label="DFlash")
+    ax1.set_xticks(list(x), labels, fontsize=7)
+    ax1.set_ylabel("tokens/s")
+    ax1.legend()
+    ax2.bar(list(x), taus, 0.5, color="tab:green")
+    ax2.set_xticks(list(x), labels, fontsize=7)
+    ax2.set_ylabel("tau (tokens per verify step)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--out", default="benchmarks/RESULTS.md")
+    ap.add_argument("--chart", default=None)
+    args = ap.parse_args()
+    runs = load(args.json)
+    lines = ["# Results", "", "Regenerated by `python benchmarks/results_md.py` from: " +
+             ", ".join(f"`{p}`" for p in args.json) + ".", ""]
+    lines += machine_section(runs)
+    for name, res in runs:
+        lines += run_section(name, res)
+    lines += verdict(runs)
+    if args.chart:
+        chart(runs, args.chart)
+        lines += [f"![tokens/s and tau per prompt set]({Path(args.chart).relative_to(Path(args.out).parent)})", ""]
+    Path(args.out).write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

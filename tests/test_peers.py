@@ -1,0 +1,60 @@
+"""Peers, the decode floor, per-category rows and RESULTS.md generation (tiny models; the real
+comparison is benchmarks/full.sh)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetero_sd.cli import main
+from hetero_sd.errors import ConfigError
+from hetero_sd.floor import target_bytes
+from hetero_sd.peers import peer_names
+from hetero_sd.prompts import load_prompts
+from hetero_sd.runtime import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t12", "category": "a"}\n{"prompt": "t20 t7", "category": "b"}\n')
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "--peers", "transformers,llama.cpp", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {p["name"]: p for p in res["peers"]}
+    assert rows["transformers"]["tokens_per_s"] > 0 and rows["transformers"]["ratio_to_spec"] > 0
+    assert rows["llama.cpp"]["skipped"] or rows["llama.cpp"]["tokens_per_s"] > 0  # no GGUF for a tiny target
+    assert set(res["categories"]) == {"a", "b"}
+    floor = res["floor"]
+    assert floor["read_bandwidth_gb_s"] > 0 and floor["floor_tokens_per_s"] > 0
+    chart, md = tmp_path / "c.png", tmp_path / "RESULTS.md"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_md.py"), str(out), "--out", str(md),
+                    "--chart", str(chart)], check=True)
+    text = md.read_text()
+    assert "Ahead and behind" in text and "transformers" in text and chart.stat().st_size > 1000
+
+
+def test_floor_counts_every_weight_once(tiny_llama):
+    rt = load(str(tiny_llama), None)
+    weights, kv = target_bytes(rt.target)
+    cfg = rt.target.config
+    per_layer = 4 * (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                     + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+                     + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    head = 4 * (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size + cfg.hidden_size)  # lm_head, norm, one embed row
+    assert weights == cfg.num_hidden_layers * per_layer + head
+    assert kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+def test_peer_names_and_datasets():
+    assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "mlx-lm"]
+    with pytest.raises(ConfigError, match="unknown peer"):
+        peer_names("vllm")
+    both = load_prompts(dataset="math,summarize", limit=2)
+    assert [p.category for p in both] == ["math", "math", "summarize", "summarize"]
