@@ -95,15 +95,17 @@ def llama_cpp(runtime, prompt_ids, max_new_tokens: int) -> PeerRow:
 
 def mlx_lm(folder: Path, prompt_ids, max_new_tokens: int) -> PeerRow:
     try:
-        from mlx_lm import generate, load
+        from mlx_lm import load, stream_generate
     except ImportError:
         return PeerRow("mlx-lm", skipped=True, note="not installed: pip install mlx-lm")
     model, tokenizer = load(str(folder))
-    row = PeerRow("mlx-lm", note="mlx-lm generate, greedy (on Linux: MLX's CPU build)")
-    generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4)  # warm-up
+    row = PeerRow("mlx-lm", note="mlx-lm stream_generate, greedy (on Linux: MLX's CPU build)")
+    for _ in stream_generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4):  # warm-up
+        pass
     for ids in prompt_ids:
-        began = time.perf_counter()
-        text = generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens)
+        began, last = time.perf_counter(), None
+        for last in stream_generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens):
+            pass
         row.seconds += time.perf_counter() - began
-        row.tokens += len(tokenizer.encode(text, add_special_tokens=False))
+        row.tokens += last.generation_tokens if last is not None else 0
     return row
