@@ -153,6 +153,6 @@ def test_adaptive_block_is_lossless_and_varies_the_block(smollm_random, baseline
     rt = with_draft(smollm_random, smollm_random.draft)
     outs = [rt.generate(p, max_new_tokens=MAX_NEW, block="adaptive") for p in PROMPTS[:2]]
     assert [o.token_ids for o in outs] == [baselines[p].token_ids for p in PROMPTS[:2]]
-    sizes = set(outs[0].stats.block_size_histogram) | set(outs[1].stats.block_size_histogram)
-    assert {2, 16} <= sizes  # it measures each size, then an untrained draft is best served by 2
-    assert outs[1].stats.drafted_per_step[-1] == 1
+    # every size is measured once on the first real steps (which size wins afterwards depends on measured
+    # costs: that choice is tested with given costs above, never with timings)
+    assert outs[0].stats.drafted_per_step[:4] == [15, 7, 3, 1]
