@@ -22,6 +22,13 @@ class TargetOutput:
     features: torch.Tensor | None  # [T, len(layer_ids) * hidden]: context features for the draft
 
 
+def feature_parts(layer_ids: list[int], captured: list, num_layers: int, final_norm) -> list:
+    """Captured hidden states (in layer order) arranged as in `layer_ids`, the last layer's after the
+    final norm as in HF's hidden_states: the context features a DFlash draft was trained on."""
+    by_layer = dict(zip(sorted(set(layer_ids)), captured))
+    return [final_norm(by_layer[i]) if i == num_layers - 1 else by_layer[i] for i in layer_ids]
+
+
 class TargetBackend(ABC):
     config: ArchConfig
     device: str

@@ -154,11 +154,13 @@ class Runtime:
     def events(self, steps, stats: Stats) -> Iterator[StreamEvent]:
         text = TextStream(self.tokenizer)
         began = time.perf_counter()
-        for step in steps:
-            stats.total_s = time.perf_counter() - began
-            stats.ttft_s = stats.ttft_s or stats.total_s
+        try:
+            for step in steps:
+                stats.total_s = time.perf_counter() - began
+                stats.ttft_s = stats.ttft_s or stats.total_s
+                yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
+        finally:  # also when the consumer stops early: device times come from the timeline, once
             stats.close()
-            yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
 
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                  **kwargs) -> Generation:
@@ -212,7 +214,8 @@ class Runtime:
         if schedule != "pipeline" or self.draft is None or len(jobs) < 2:
             return [self.collect(timeline=timeline, schedule=None if schedule == "pipeline" else schedule,
                                  **job, **kwargs) for job in jobs]
-        self.notes += [n for n in oversubscription(self.target.device, self.draft.device) if n not in self.notes]
+        for job in jobs:
+            job["notes"] = job["notes"] + oversubscription(self.target.device, self.draft.device)
         return pipelined(self, jobs, timeline, kwargs)
 
     def collect(self, prompt_ids, notes, stop_at_eos, **kwargs) -> Generation:

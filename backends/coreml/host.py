@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ane_compiler.graph import channels_first
+from ane_compiler.graph import MASKED, channels_first
 
 from ..base import DraftBackend
 
@@ -55,7 +55,6 @@ class WindowedDraft(DraftBackend):
              "ctx_cos": ctx_cos.float(), "ctx_sin": ctx_sin.float(), "blk_cos": blk_cos.float(),
              "blk_sin": blk_sin.float(), "ctx_bias": torch.zeros(used, 1)}
         if self.pad and used < self.window:
-            from ane_compiler.graph import MASKED
             extra = self.window - used
             for name in ("features", "ctx_cos", "ctx_sin"):
                 x[name] = torch.cat([x[name], torch.zeros(extra, x[name].shape[1])])

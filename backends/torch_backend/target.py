@@ -13,7 +13,7 @@ from hetero_sd.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.weights import take
 
-from ..base import TargetBackend, TargetOutput
+from ..base import TargetBackend, TargetOutput, feature_parts
 from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
 
 
@@ -67,11 +67,8 @@ class TorchTarget(CacheOwner, TargetBackend):
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.layer_ids:
             return None
-        # Order as in layer_ids; HF's hidden_states for the last layer is after the final norm.
-        by_layer = dict(zip(sorted(set(self.layer_ids)), captured))
-        last = self.config.num_hidden_layers - 1
-        parts = [rms_norm(by_layer[i], self.norm, self.config.rms_norm_eps) if i == last else by_layer[i]
-                 for i in self.layer_ids]
+        parts = feature_parts(self.layer_ids, captured, self.config.num_hidden_layers,
+                              lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps))
         return torch.cat(parts, -1)[0]
 
     def causal_mask(self, start: int, count: int) -> torch.Tensor:
