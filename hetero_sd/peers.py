@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-PEERS = ("transformers", "transformers-lookup", "llama.cpp", "mlx-lm")
+PEERS = ("transformers", "transformers-lookup", "llama.cpp", "mlx-lm", "mlx-lm-speculative")
 
 
 @dataclass
@@ -44,18 +44,26 @@ def peer_names(asked: str | None) -> list[str]:
     return names
 
 
-def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_tokens: int) -> list[PeerRow]:
+def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_tokens: int, tick=None,
+              draft: str | None = None) -> list[PeerRow]:
     """Greedy decoding of each prompt (token ids from our runtime's encoder, so every system sees the
-    same input), up to max_new_tokens or EOS."""
+    same input), up to max_new_tokens or EOS. tick(name) after every prompt; draft: the small
+    autoregressive model for mlx-lm's speculative mode."""
     folder = Path(runtime.info["target"])
-    runners = {"transformers": lambda: hf_generate(folder, prompt_ids, max_new_tokens, lookup=False),
-               "transformers-lookup": lambda: hf_generate(folder, prompt_ids, max_new_tokens, lookup=True),
-               "llama.cpp": lambda: llama_cpp(runtime, prompt_ids, max_new_tokens),
-               "mlx-lm": lambda: mlx_lm(folder, prompt_ids, max_new_tokens)}
-    return [runners[name]() for name in names]
+    rows = []
+    for name in names:
+        done = (lambda n=name: tick(n)) if tick else (lambda: None)
+        if name in ("transformers", "transformers-lookup"):
+            rows.append(hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done))
+        elif name == "llama.cpp":
+            rows.append(llama_cpp(runtime, prompt_ids, max_new_tokens, done))
+        else:
+            rows.append(mlx_lm(folder, prompt_ids, max_new_tokens, done,
+                               draft if name == "mlx-lm-speculative" else None, name))
+    return rows
 
 
-def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool) -> PeerRow:
+def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, done) -> PeerRow:
     from transformers import AutoModelForCausalLM
 
     name = "transformers-lookup" if lookup else "transformers"
@@ -69,10 +77,11 @@ def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool) -> 
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
             row.seconds += time.perf_counter() - began
             row.tokens += out.shape[1] - len(ids)
+            done()
     return row
 
 
-def llama_cpp(runtime, prompt_ids, max_new_tokens: int) -> PeerRow:
+def llama_cpp(runtime, prompt_ids, max_new_tokens: int, done) -> PeerRow:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -90,22 +99,33 @@ def llama_cpp(runtime, prompt_ids, max_new_tokens: int) -> PeerRow:
         out = llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0)
         row.seconds += time.perf_counter() - began
         row.tokens += out["usage"]["completion_tokens"]
+        done()
     return row
 
 
-def mlx_lm(folder: Path, prompt_ids, max_new_tokens: int) -> PeerRow:
+def mlx_lm(folder: Path, prompt_ids, max_new_tokens: int, done, draft: str | None, name: str) -> PeerRow:
+    """mlx-lm greedy; with a draft, its speculative mode (a small autoregressive model with the same
+    tokenizer: mlx-lm has no DFlash drafts)."""
     try:
         from mlx_lm import load, stream_generate
     except ImportError:
-        return PeerRow("mlx-lm", skipped=True, note="not installed: pip install mlx-lm")
+        return PeerRow(name, skipped=True, note="not installed: pip install mlx-lm")
+    extra, note = {}, "mlx-lm stream_generate, greedy (on Linux: MLX's CPU build)"
+    if name == "mlx-lm-speculative":
+        if not draft:
+            return PeerRow(name, skipped=True, note="needs --peer-draft: a smaller autoregressive model with the "
+                                                    "target's tokenizer (none ships for the default target)")
+        extra = {"draft_model": load(draft)[0], "num_draft_tokens": 4}
+        note += f", speculative with draft {Path(draft).name} (4 tokens)"
     model, tokenizer = load(str(folder))
-    row = PeerRow("mlx-lm", note="mlx-lm stream_generate, greedy (on Linux: MLX's CPU build)")
-    for _ in stream_generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4):  # warm-up
+    row = PeerRow(name, note=note)
+    for _ in stream_generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4, **extra):  # warm-up
         pass
     for ids in prompt_ids:
         began, last = time.perf_counter(), None
-        for last in stream_generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens):
+        for last in stream_generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens, **extra):
             pass
         row.seconds += time.perf_counter() - began
         row.tokens += last.generation_tokens if last is not None else 0
+        done()
     return row

@@ -41,3 +41,54 @@ def test_generate_answers_from_the_default_model(default_folder):
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.split()) >= 5
     assert "tok/s" in out.stderr
+
+
+def write_prompts(tmp_path, n: int = 3):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "t{5 + i} t{9 + i} t{3 + i}"}}\n' for i in range(n)))
+    return prompts
+
+
+def test_bench_runs_placements_and_temperatures_in_one_invocation(tmp_path, tiny_llama, tiny_draft, capsys):
+    out = tmp_path / "m.json"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts",
+                 str(write_prompts(tmp_path, 2)), "--max-new-tokens", "10", "--placements", "cpu/cpu,cpu/ane-sim",
+                 "--temperature", "0,1", "--seed", "3", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is False and len(doc["runs"]) == 4
+    assert [(m["draft_device"], m["temperature"]) for m in doc["matrix"]] == [
+        ("cpu", 0.0), ("cpu", 1.0), ("ane-sim", 0.0), ("ane-sim", 1.0)]
+    for run, m in zip(doc["runs"], doc["matrix"]):
+        assert m["lossless"] is (True if m["temperature"] == 0 else None)
+        assert len(run["prompts"]) == 2 and run["settings"]["temperature"] == m["temperature"]
+    assert "drift" in doc["runs"][2] and "drift" not in doc["runs"][0]
+    assert "every placement and temperature" in capsys.readouterr().out
+
+
+def test_bench_interrupted_keeps_the_finished_rows(tmp_path, tiny_llama, tiny_draft, monkeypatch):
+    """Ctrl-C during the second prompt of the second run: the first run and the second run's first
+    prompt are in the JSON, marked interrupted, and the exit status says so."""
+    import hetero_sd.bench as bench
+
+    real, calls = bench.run_bench, []
+
+    def interrupt_second_run(*args, progress=None, **kw):
+        calls.append(1)
+
+        def tick(r):
+            progress(r)
+            if len(calls) == 2 and r["index"] == 0:
+                raise KeyboardInterrupt
+        return real(*args, progress=tick, **kw)
+
+    monkeypatch.setattr(bench, "run_bench", interrupt_second_run)
+    out = tmp_path / "i.json"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts",
+                 str(write_prompts(tmp_path, 3)), "--max-new-tokens", "8", "--temperature", "0,1", "--seed", "1",
+                 "--json", str(out)])
+    assert code == 130
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["planned_runs"] == 2
+    assert [len(r["prompts"]) for r in doc["runs"]] == [3, 1]
+    assert doc["runs"][1]["interrupted"] is True and doc["runs"][0]["lossless"] is True

@@ -53,7 +53,7 @@ def test_floor_counts_every_weight_once(tiny_llama):
 
 
 def test_peer_names_and_datasets():
-    assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "mlx-lm"]
+    assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "mlx-lm", "mlx-lm-speculative"]
     with pytest.raises(ConfigError, match="unknown peer"):
         peer_names("vllm")
     both = load_prompts(dataset="math,summarize", limit=2)

@@ -11,7 +11,7 @@ import hetero_sd
 from backends.torch_backend import load_draft, load_target
 from hetero_sd.config import ArchConfig, DraftConfig, read_json
 from hetero_sd.draft_init import draft_config, write_draft
-from hetero_sd.train.model import TrainableDraft
+from hetero_sd.train.model import TrainableDraft, TrainingVocab
 from hetero_sd.train.trainer import TrainConfig, init_from_target, train
 from hetero_sd.weights import load_weights
 
@@ -99,3 +99,21 @@ def test_resume_continues_exactly(tmp_path, tiny_llama, self_distilled):
     assert [r["loss"] for r in resumed["history"]] == pytest.approx([r["loss"] for r in straight["history"]])
     a, b = load_weights(tmp_path / "a"), load_weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_vocab_is_a_slice_of_the_full_head():
+    """The reduced softmax sees exactly the full logits' columns for the answers' tokens, and the labels
+    point at the same tokens; anything else would train the draft towards the wrong tokens."""
+    torch.manual_seed(0)
+    head = torch.randn(50, 8)
+    rows = [{"response_ids": [7, 3, 3, 41]}, {"response_ids": [12, 7]}]
+    vocab = TrainingVocab(rows, head, negatives=5)
+    assert vocab.ids.tolist() == [3, 7, 12, 41]
+    vocab.draw(random.Random(0))
+    assert len(vocab) == 9 and {3, 7, 12, 41} < set(vocab.ids.tolist())
+    labels = torch.tensor([[41, 3, -100], [12, 7, 7]])
+    mapped = vocab.labels(labels)
+    assert torch.equal(torch.where(mapped >= 0, vocab.ids[mapped.clamp_min(0)], -100), labels)
+    hidden = torch.randn(2, 3, 8)
+    full, part = hidden @ head.t(), hidden @ vocab.head.t()
+    assert torch.allclose(part, full[..., vocab.ids])

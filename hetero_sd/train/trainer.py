@@ -21,7 +21,7 @@ from backends.torch_backend import load_target
 from hetero_sd.config import ArchConfig, fallback_layer_ids, read_json
 from hetero_sd.draft_init import draft_config, pick_mask_token, write_draft
 
-from .model import TrainableDraft
+from .model import TrainableDraft, TrainingVocab
 
 
 @dataclass
@@ -38,6 +38,7 @@ class TrainConfig:
     eval_every: int = 100
     seed: int = 0
     init: str = "target"  # "target": draft layers start as copies of the target's last layers
+    vocab: str = "data"  # "data": the loss's softmax runs over the tokens of the answers (TrainingVocab)
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -93,9 +94,12 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int) -> tor
     return torch.where(pos < tokens.shape[0], tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
 
 
-def loss_fn(model: TrainableDraft, features, tokens, anchors, weights) -> torch.Tensor:
+def loss_fn(model: TrainableDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None):
     labels = block_labels(tokens, anchors, model.block_size)
-    logits = model.logits(model(features, tokens, anchors))
+    if vocab is None:
+        logits = model.logits(model(features, tokens, anchors))
+    else:
+        logits, labels = model.logits(model(features, tokens, anchors), vocab.head), vocab.labels(labels)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     w = weights.expand_as(labels).flatten() * (labels.flatten() != -100)
     return (ce * w).sum() / w.sum().clamp_min(1e-9)
@@ -133,6 +137,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     rows = sorted(rows, key=lambda r: r["index"])
     random.Random(cfg.seed).shuffle(rows)
     held, train_rows = rows[:cfg.held_out], [r for r in rows[cfg.held_out:] if len(r["response_ids"]) > 1]
+    vocab = TrainingVocab(train_rows, model.frozen["lm_head"]) if cfg.vocab == "data" else None
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     out.mkdir(parents=True, exist_ok=True)
     start, checkpoint = 0, out / "checkpoint.pt"
@@ -152,12 +157,14 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         for group in optim.param_groups:
             group["lr"] = lr
         total = 0.0
+        if vocab is not None:
+            vocab.draw(rng)
         for _ in range(cfg.accumulate):
             row = rng.choice(train_rows)
             ids = row["prompt_ids"] + row["response_ids"]
             tokens = torch.tensor(ids)
             anchors = sample_anchors(rng, len(row["prompt_ids"]), len(ids), cfg.anchors)
-            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights) / cfg.accumulate
+            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights, vocab) / cfg.accumulate
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,245 @@
+"""`hetero-sd bench` on the command line.
+
+One invocation runs a matrix: every placement (target device / draft device) x every temperature is a
+full baseline-vs-DFlash run on the same prompts (bench.run_bench); the peers and the floor run once,
+after the first greedy run. A progress bar follows the prompts. The JSON is rewritten after every
+finished run, and Ctrl-C stops the matrix there: the prompts that finished stay in the JSON, marked
+`"interrupted": true`, and the exit status is 130."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .cli import block_arg, err, load_runtime, write_json
+from .errors import HeteroSDError
+
+
+def placements(args) -> list[tuple[str, str | None]]:
+    """--placements "cpu/cpu,cpu/ane-sim,mlx" (target/draft; one name puts both there)."""
+    if not args.placements:
+        return [(args.target_device, args.draft_device)]
+    out = []
+    for item in (p.strip() for p in args.placements.split(",") if p.strip()):
+        target, _, draft = item.partition("/")
+        if not target:
+            raise HeteroSDError(f"placement {item!r} names no target device",
+                                "write TARGET/DRAFT, e.g. cpu/ane-sim, or one device for both")
+        out.append((target, draft or None))
+    return out
+
+
+def temperatures(value: str) -> list[float]:
+    try:
+        return [float(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of temperatures") from None
+
+
+def label(res: dict) -> str:
+    m = res["models"]
+    return f"{m['target_device']}/{m['draft_device']} T={res['settings']['temperature']:g}"
+
+
+class Saver:
+    """Writes what has finished, after every run: a one-run bench as its result, a matrix as
+    {"runs": [...], "matrix": [...], "interrupted": ...}."""
+
+    def __init__(self, path: str | None, planned: int):
+        self.path, self.planned, self.runs, self.interrupted = path, planned, [], False
+
+    def add(self, res: dict) -> None:
+        self.runs.append(res)
+        self.save()
+
+    def document(self) -> dict:
+        if self.planned == 1:
+            return self.runs[0]
+        return {"machine": self.runs[0]["machine"], "command": self.runs[0]["command"],
+                "interrupted": self.interrupted, "planned_runs": self.planned, "runs": self.runs,
+                "matrix": [matrix_row(r) for r in self.runs]}
+
+    def save(self) -> None:
+        if self.path and self.runs:
+            write_json(self.path, self.document())
+
+
+def matrix_row(res: dict) -> dict:
+    m = res["models"]
+    return {"target_device": m["target_device"], "draft_device": m["draft_device"],
+            "temperature": res["settings"]["temperature"], "prompts": len(res["prompts"]),
+            "baseline_tokens_per_s": res["baseline_tokens_per_s"], "spec_tokens_per_s": res["spec_tokens_per_s"],
+            "speedup": res["speedup"], "tau": res["tau"], "lossless": res["lossless"]}
+
+
+def bar() -> Progress:
+    return Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                    TimeElapsedColumn(), console=err, transient=False)
+
+
+def run(args) -> int:
+    from .bench import run_bench
+    from .prompts import load_prompts
+
+    prompts = load_prompts(args.prompts, args.dataset, args.limit)
+    schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
+    blocks = [block_arg(b.strip()) for b in args.blocks.split(",")] if args.blocks else (None,)
+    where, temps = placements(args), args.temperature
+    saver, timelines, peers_done = Saver(args.json, len(where) * len(temps)), [], False
+    with bar() as progress:
+        task = progress.add_task("", total=len(where) * len(temps) * len(prompts))
+        try:
+            for target_device, draft_device in where:
+                rt = load_runtime(args, schedules, target_device, draft_device)
+                if rt.draft is None:
+                    raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
+                for note in rt.notes:
+                    progress.console.print(f"[yellow]note:[/] {note}")
+                for temperature in temps:
+                    tick = ticker(progress, task, len(prompts), f"{target_device}/{rt.info['draft_device']} T={temperature:g}")
+                    res = run_bench(rt, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
+                                    rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
+                                    progress=tick)
+                    timelines += [(f"{label(res)} {name}", t) for name, t in res.pop("timelines")]
+                    if not res.get("interrupted") and temperature == 0 and not peers_done:
+                        add_peers_and_floor(args, rt, prompts, res, progress)  # greedy peers: once, on a T=0 run
+                        peers_done = True
+                    saver.add(res)
+                    if res.get("interrupted"):
+                        raise KeyboardInterrupt
+                rt.close()
+        except KeyboardInterrupt:
+            if not saver.runs:
+                raise
+            saver.interrupted = True
+            saver.save()
+    report(saver)
+    if args.trace:
+        from .timeline import chrome_trace
+        write_json(args.trace, chrome_trace(timelines))
+    if saver.interrupted:
+        err.print(f"[yellow]interrupted:[/] {sum(len(r['prompts']) for r in saver.runs)} finished prompt rows "
+                  + (f"kept in {args.json}" if args.json else "shown above (pass --json to keep them)"))
+        return 130
+    return 0
+
+
+def ticker(progress: Progress, task, total: int, where: str):
+    def tick(r: dict) -> None:
+        progress.advance(task)
+        if "tau" in r:
+            progress.update(task, description=f"{where}: prompt {r['index'] + 1}/{total}, tau {r['tau']:.2f}")
+            progress.console.print(f"[dim]{where} prompt {r['index'] + 1}/{total}: base "
+                                   f"{r['baseline_tokens_per_s']:.1f} tok/s, spec {r['spec_tokens_per_s']:.1f} tok/s, "
+                                   f"tau {r['tau']:.2f}, identical {r['identical']}[/]")
+    return tick
+
+
+def report(saver: Saver) -> None:
+    if saver.planned == 1:
+        print_bench(saver.runs[0])
+        return
+    t = Table(title="hetero-sd bench: every placement and temperature on the same prompts")
+    for col in ("target/draft", "T", "prompts", "base tok/s", "spec tok/s", "speedup", "tau", "lossless"):
+        t.add_column(col, justify="right")
+    for r in saver.runs:
+        m = matrix_row(r)
+        t.add_row(f"{m['target_device']}/{m['draft_device']}", f"{m['temperature']:g}", str(m["prompts"]),
+                  f"{m['baseline_tokens_per_s']:.1f}", f"{m['spec_tokens_per_s']:.1f}", f"{m['speedup']:.2f}x",
+                  f"{m['tau']:.2f}", str(m["lossless"]))
+    Console().print(t)
+    for r in saver.runs:
+        if len(r["schedules"]) > 1 or r["schedules"][0]["schedule"] != "sequential":
+            print_schedules(r, f"schedules, {label(r)}")
+        if r.get("peers") or r.get("floor"):
+            print_peers(r)
+        print_drift(r)
+
+
+def print_bench(res: dict) -> None:
+    t = Table(title="hetero-sd bench: autoregressive baseline vs DFlash speculative decoding")
+    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
+        t.add_column(col, justify="right")
+    for r in res["prompts"]:
+        if "spec_tokens" not in r:  # only pipelined runs: per-prompt figures are in the schedule table
+            t.add_row(str(r["index"]), r["category"], str(r["baseline_tokens"]), f"{r['baseline_tokens_per_s']:.1f}")
+            continue
+        t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
+                  f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
+                  f"{r['tau']:.2f}", str(r["identical"]))
+    t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
+              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
+    Console().print(t)
+    if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
+        print_schedules(res)
+    if res.get("peers") or res.get("floor"):
+        print_peers(res)
+    print_drift(res)
+
+
+def print_drift(res: dict) -> None:
+    if res.get("drift"):
+        d = res["drift"]
+        Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
+                        f"({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.5f} "
+                        f"(min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
+
+
+def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> None:
+    import os
+
+    from .floor import floor_report
+    from .peers import peer_names, run_peers
+
+    names = peer_names(args.peers)
+    if names:
+        ids = [rt.encode(p.text)[0] for p in prompts]
+        task = progress.add_task("peers", total=len(names) * len(ids))
+        rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
+            task, advance=1, description=f"peer {name}"), draft=args.peer_draft)
+        res["peers"] = [r.to_dict(res["spec_tokens_per_s"]) for r in rows]
+        for r in rows:
+            if r.skipped:
+                progress.console.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
+    if args.floor or names:
+        systems = {"hetero-sd autoregressive": res["baseline_tokens_per_s"], "hetero-sd DFlash": res["spec_tokens_per_s"]}
+        systems |= {r["name"]: r["tokens_per_s"] for r in res.get("peers", []) if not r["skipped"]}
+        gguf = rt.info.get("gguf")
+        context = max(len(rt.encode(p.text)[0]) for p in prompts) + args.max_new_tokens // 2
+        if hasattr(rt.target, "blocks") and rt.target.device == "cpu":
+            res["floor"] = floor_report(rt.target, context, systems, os.path.getsize(gguf) if gguf else None)
+
+
+def print_peers(res: dict) -> None:
+    t = Table(title="peers (same prompts, same run)")
+    for col in ("system", "tok/s", "vs hetero-sd DFlash", "of the floor", "note"):
+        t.add_column(col, justify="right" if col != "note" else "left")
+    fractions = res.get("floor", {}).get("fraction_of_floor", {})
+    own = [("hetero-sd autoregressive", res["baseline_tokens_per_s"]), ("hetero-sd DFlash", res["spec_tokens_per_s"])]
+    for name, tps in own:
+        t.add_row(name, f"{tps:.1f}", f"{tps / res['spec_tokens_per_s']:.2f}x", pct(fractions.get(name)), "this run")
+    for r in res.get("peers", []):
+        if r["skipped"]:
+            t.add_row(r["name"], "-", "-", "-", r["note"])
+        else:
+            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_to_spec']:.2f}x", pct(fractions.get(r["name"])),
+                      r["note"])
+    Console().print(t)
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def print_schedules(res: dict, title: str = "schedules (same prompts, same process)") -> None:
+    t = Table(title=title)
+    for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
+        t.add_column(col, justify="right")
+    for r in res["schedules"]:
+        hits = "" if r["predraft_hit_rate"] is None else f"{r['predraft_hit_rate']:.0%}"
+        t.add_row(r["schedule"], str(r["block"]), f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                  f"{r['tau']:.2f}", f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
+    Console().print(t)
