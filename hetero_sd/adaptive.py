@@ -10,6 +10,8 @@ mask positions; the output is the target's either way (verification decides)."""
 
 from __future__ import annotations
 
+import threading
+
 
 class FixedBlock:
     adaptive = False
@@ -33,12 +35,14 @@ class AdaptiveBlock:
         self.reached = [0.0] * max_size  # [k]: weighted steps that drafted position k+1 with 1..k accepted
         self.accepted = [0.0] * max_size
         self.cost: dict[int, float] = {}
+        self.lock = threading.Lock()  # `pipeline` runs two requests' loops on one shared policy
 
     def choose(self) -> int:
-        untried = [s for s in self.sizes if s not in self.cost]
-        if untried:  # measure each size once on real steps before trusting the model
-            return untried[-1]
-        return max(self.sizes, key=lambda s: self.expected_tokens(s) / self.cost[s])
+        with self.lock:
+            untried = [s for s in self.sizes if s not in self.cost]
+            if untried:  # measure each size once on real steps before trusting the model
+                return untried[-1]
+            return max(self.sizes, key=lambda s: self.expected_tokens(s) / self.cost[s])
 
     def rates(self, count: int) -> list[float]:
         """Conditional acceptance per position, each shrunk towards the previous position's (a prior
@@ -57,6 +61,10 @@ class AdaptiveBlock:
         return total
 
     def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
+        with self.lock:
+            self.record(size, drafted, accepted, seconds)
+
+    def record(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
         for k in range(len(self.reached)):
             self.reached[k] *= self.DECAY
             self.accepted[k] *= self.DECAY

@@ -63,10 +63,8 @@ class MLXDraft(DraftBackend):
         cos, sin = self.rope.at(start if position is None else position, size)
         for i, block in enumerate(self.blocks):
             q, k, v = block.project(rms_norm(h, block.in_norm, eps), cos, sin)
-            context_k, context_v = self.cache.k[i], self.cache.v[i]
-            if context_k is not None and start > 0:  # the block's K/V are used once, never kept
-                k = mx.concatenate([context_k[:, :, :start], k], 2)
-                v = mx.concatenate([context_v[:, :, :start], v], 2)
+            # the block's K/V go after the context but `length` stays: the next context overwrites them
+            k, v = self.cache.write(i, start, k, v)
             h = block.attend(h, q, k, v, None)
         hidden = rms_norm(h[0, 1:], self.norm, eps)
         logits = hidden @ self.lm_head

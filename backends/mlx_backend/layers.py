@@ -45,7 +45,11 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 
 class KVCache:
-    """Per-layer K/V [1, kv_heads, capacity, head_dim]; crops by moving `length`."""
+    """Per-layer K/V [1, kv_heads, capacity, head_dim], preallocated in steps of STEP positions and
+    written in place, so that a decode step copies only its own tokens (as mlx-lm's cache does);
+    crops by moving `length`."""
+
+    STEP = 256
 
     def __init__(self, cfg: ArchConfig, num_layers: int, dtype):
         self.cfg, self.num_layers, self.dtype = cfg, num_layers, dtype
@@ -57,12 +61,21 @@ class KVCache:
         return KVCache(self.cfg, self.num_layers, self.dtype)
 
     def write(self, layer: int, start: int, k: mx.array, v: mx.array):
-        """Keep positions [0, start) and append k/v; return K/V over [0, start+T)."""
-        old_k, old_v = self.k[layer], self.v[layer]
-        if old_k is not None and start > 0:
-            k, v = mx.concatenate([old_k[:, :, :start], k], 2), mx.concatenate([old_v[:, :, :start], v], 2)
+        """Keep positions [0, start), put k/v at [start, start+T); return K/V over [0, start+T)."""
+        end = start + k.shape[2]
+        if self.k[layer] is None or end > self.k[layer].shape[2]:
+            self.grow(layer, start, end, k)
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def grow(self, layer: int, keep: int, end: int, like: mx.array) -> None:
+        shape = (*like.shape[:2], -(-end // self.STEP) * self.STEP, like.shape[3])
+        k, v = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
+        if self.k[layer] is not None and keep > 0:
+            k[:, :, :keep] = self.k[layer][:, :, :keep]
+            v[:, :, :keep] = self.v[layer][:, :, :keep]
         self.k[layer], self.v[layer] = k, v
-        return k, v
 
 
 class Block:
