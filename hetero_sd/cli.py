@@ -70,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", help="write a Chrome trace of the generation here")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
-    # "random" until a trained default draft ships (the bench says the draft is untrained)
-    add_model_args(b, "random")
+    # the CPU-trained draft until a default draft ships (its note says it is weak)
+    add_model_args(b, "cpu-trained")
     add_sampling_args(b, 256, many=True)
     b.add_argument("--placements", default=None,
                    help="comma-separated TARGET/DRAFT devices, each a full run, e.g. cpu/cpu,cpu/ane-sim,mlx/mlx")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import threading
 import time
@@ -415,18 +417,34 @@ def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draf
         torch.set_num_threads(threads)
 
 
+SHIPPED_DRAFTS = {"default": DEFAULT_TARGET, "cpu-trained": f"{DEFAULT_TARGET}-cpu-trained"}
+
+
 def default_draft(draft: str | None, target: str, notes: list[str]) -> str | None:
-    """"default" means the draft shipped for the default target; say so when there is none."""
+    """"default" means the draft shipped for the default target; say so when there is none.
+    "cpu-trained" is the weaker draft trained on this project's 2-core CPU (kept for measurements)."""
     if draft in (None, "none"):
         return None
-    if draft != "default":
+    if draft not in SHIPPED_DRAFTS:
         return draft
-    shipped = resources.files("hetero_sd.data").joinpath("drafts", DEFAULT_TARGET)
+    shipped = resources.files("hetero_sd.data").joinpath("drafts", SHIPPED_DRAFTS[draft])
     if target == "default" and shipped.joinpath("config.json").is_file():
+        if draft == "cpu-trained":
+            notes.append(cpu_trained_note(shipped))
         return str(shipped)
+    if draft == "cpu-trained":
+        raise ConfigError(f"the cpu-trained draft belongs to the default target ({DEFAULT_TARGET}), not {target}",
+                          "pass a DFlash draft folder trained for this target (hetero-sd train-draft)")
     notes.append("no trained DFlash draft ships for this target yet: decoding autoregressively "
                  "(pass a draft folder, or draft='random' to exercise the speculative path)")
     return None
+
+
+def cpu_trained_note(folder) -> str:
+    done = json.loads(folder.joinpath("training.json").read_text())
+    tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
+    return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f}; "
+            "too weak to beat autoregressive decoding here (benchmarks/TRAINING.md)")
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:

@@ -1,4 +1,6 @@
-"""The shipped draft for the embedded default target: loads with no flags, accepts, stays lossless."""
+"""The drafts shipped for the embedded default target: "default" (loads with no flags; none ships yet)
+and "cpu-trained" (the draft trained on this project's CPU): each loads, accepts more than an untrained
+draft would, and stays lossless."""
 
 from __future__ import annotations
 
@@ -7,27 +9,45 @@ from importlib import resources
 import pytest
 
 import hetero_sd
+from hetero_sd.errors import ConfigError
+from hetero_sd.runtime import SHIPPED_DRAFTS
 
-SHIPPED = resources.files("hetero_sd.data").joinpath("drafts", "SmolLM2-135M-Instruct", "config.json")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not SHIPPED.is_file(), reason="no default draft shipped in this checkout")]
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is.", "List three uses of magnets."]
+MIN_TAU = {"default": 1.5, "cpu-trained": 1.2}  # an untrained draft gives 1.0
 
 
-@pytest.fixture(scope="module")
-def runtime(default_folder):
-    return hetero_sd.load()  # target "default", draft "default"
+def shipped(name: str) -> bool:
+    return resources.files("hetero_sd.data").joinpath("drafts", SHIPPED_DRAFTS[name], "config.json").is_file()
 
 
-def test_default_pair_loads_the_shipped_draft(runtime):
-    assert runtime.draft is not None and runtime.notes == []
-    assert runtime.info["draft"].endswith("SmolLM2-135M-Instruct")
+@pytest.fixture(scope="module", params=list(SHIPPED_DRAFTS))
+def runtime(request, default_folder):
+    if not shipped(request.param):
+        pytest.skip(f"no {request.param!r} draft ships in this checkout")
+    return request.param, hetero_sd.load("default", request.param)
 
 
+@pytest.mark.slow
+def test_shipped_draft_loads_and_says_what_it_is(runtime):
+    name, rt = runtime
+    assert rt.draft is not None and rt.info["draft"].endswith(SHIPPED_DRAFTS[name])
+    if name == "cpu-trained":
+        assert any("held-out tau" in n for n in rt.notes)
+    else:
+        assert rt.notes == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_shipped_draft_is_lossless_and_accepts(runtime, prompt):
-    spec = runtime.generate(prompt, max_new_tokens=64)
-    base = runtime.generate(prompt, max_new_tokens=64, speculative=False)
+    name, rt = runtime
+    spec = rt.generate(prompt, max_new_tokens=64)
+    base = rt.generate(prompt, max_new_tokens=64, speculative=False)
     assert spec.token_ids == base.token_ids
-    assert spec.stats.tau > 1.5  # an untrained draft gives 1.0
+    assert spec.stats.tau > MIN_TAU[name]
+
+
+def test_cpu_trained_draft_refuses_another_target(tiny_llama):
+    with pytest.raises(ConfigError, match="belongs to the default target"):
+        hetero_sd.load(str(tiny_llama), "cpu-trained")
