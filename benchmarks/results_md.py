@@ -49,6 +49,9 @@ def run_section(name: str, res: dict) -> list[str]:
     lines.append(f"| **all** | {res['baseline_tokens_per_s']:.1f} | {res['spec_tokens_per_s']:.1f} | "
                  f"{res['speedup']:.2f}x | {res['tau']:.2f} |")
     lines.append("")
+    if any("spec_tokens" in r and "steps" not in r for r in res["prompts"]):  # JSON from before pooled rows
+        lines += ["(In this file a category's tau is the mean of its prompts' taus; the **all** row pools every "
+                  "verify step.)", ""]
     if res.get("peers"):
         fractions = res.get("floor", {}).get("fraction_of_floor", {})
         lines += ["| system | tok/s | vs hetero-sd DFlash | of its decode floor | note |", "| --- | --- | --- | --- | --- |"]
@@ -63,6 +66,14 @@ def run_section(name: str, res: dict) -> list[str]:
                 lines.append(f"| {p['name']} | {p['tokens_per_s']:.1f} | {ratio(p['ratio_to_spec'])} | "
                              f"{pct(fractions.get(p['name']))} | {p['note']} |")
         lines.append("")
+    if res["models"]["draft_device"] == "ane-sim":
+        lines += ["`ane-sim` is an fp16 emulation of the ANE graph on the CPU: its tau and drift are meaningful, "
+                  "its speed says nothing about the Neural Engine.", ""]
+    if res.get("drift"):
+        d = res["drift"]
+        lines += [f"Drift of {d['device']} against the float32 draft on the same prompts: tau ratio "
+                  f"{d['tau_ratio']:.3f} ({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.6f} "
+                  f"(min {d['cosine_min']:.6f}), top-1 agreement {d['top1_agreement']:.1%}, KL {d['kl']:.1e}.", ""]
     if res.get("floor"):
         f = res["floor"]
         lines += [f"Floor: {f['step_bytes'] / 1e6:.0f} MB read per float32 decode step (weights + KV at "
@@ -78,42 +89,41 @@ def pct(x) -> str:
 
 
 def verdict(runs: list[tuple[str, dict]]) -> list[str]:
-    """Where we are ahead and where behind, from the numbers."""
-    lines = ["## Ahead and behind", ""]
+    """Where we are ahead and where behind, from the numbers: each of our two modes against each peer
+    that ran, and DFlash against our own autoregressive decoding."""
+    lines = ["## Ahead and behind", "", "Ratios are our tok/s over theirs, measured in the same run.", ""]
     for name, res in runs:
-        spec = res["spec_tokens_per_s"]
-        lines.append(f"- {name}: DFlash vs our own autoregressive baseline: {res['speedup']:.2f}x "
+        lines.append(f"- {name}: DFlash vs our own autoregressive decoding: {res['speedup']:.2f}x "
                      f"({'ahead' if res['speedup'] > 1 else 'behind'}).")
-        for p in res.get("peers", []):
-            if not p["skipped"]:
-                ahead = spec > p["tokens_per_s"]
-                lines.append(f"  - vs {p['name']}: {spec / p['tokens_per_s']:.2f}x "
-                             f"({'ahead' if ahead else 'behind'}: {p['tokens_per_s']:.1f} tok/s)")
+        for ours, tps in (("autoregressive", res["baseline_tokens_per_s"]), ("DFlash", res["spec_tokens_per_s"])):
+            for p in res.get("peers", []):
+                if not p["skipped"]:
+                    ratio = tps / p["tokens_per_s"]
+                    lines.append(f"  - our {ours} vs {p['name']}: {ratio:.2f}x "
+                                 f"({'ahead' if ratio > 1 else 'behind'}; {tps:.1f} vs {p['tokens_per_s']:.1f} tok/s)")
     return lines + [""]
 
 
 def chart(runs: list[tuple[str, dict]], out: str) -> None:
+    """One group per run (prompt set x placement x temperature): tokens/s of both modes, and tau."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels, base, spec, taus = [], [], [], []
-    for name, res in runs:
-        for cat, c in res.get("categories", {}).items():
-            labels.append(f"{cat} [{name.replace('full_', '')}]")
-            base.append(c["baseline_tokens_per_s"])
-            spec.append(c["spec_tokens_per_s"])
-            taus.append(c["tau"])
-    x = range(len(labels))
+    labels = [name.replace("full_", "").replace(" (", "\n").rstrip(")").replace("_", "+") for name, _ in runs]
+    base = [res["baseline_tokens_per_s"] for _, res in runs]
+    spec = [res["spec_tokens_per_s"] for _, res in runs]
+    taus = [res["tau"] for _, res in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.7 * len(runs)), 4.5))
+    x = list(range(len(labels)))
     ax1.bar([i - 0.2 for i in x], base, 0.4, label="autoregressive")
     ax1.bar([i + 0.2 for i in x], spec, 0.4, label="DFlash")
-    ax1.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
     ax1.set_ylabel("tokens/s")
     ax1.legend()
-    ax2.bar(list(x), taus, 0.5, color="tab:green")
-    ax2.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
+    ax2.bar(x, taus, 0.5, color="tab:green")
     ax2.set_ylabel("tau (tokens per verify step)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, labels, fontsize=7, rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -136,7 +146,7 @@ def main() -> None:
     lines += verdict(runs)
     if args.chart:
         chart(runs, args.chart)
-        lines += [f"![tokens/s and tau per prompt set]({Path(args.chart).relative_to(Path(args.out).parent)})", ""]
+        lines += [f"![tokens/s and tau per prompt set, placement and temperature]({Path(args.chart).relative_to(Path(args.out).parent)})", ""]
     Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}")
 

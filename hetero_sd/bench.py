@@ -105,6 +105,7 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
     return baseline_row(n, prompt, base) | {
         "spec_tokens": spec.stats.num_generated_tokens, "spec_s": spec.stats.total_s,
         "spec_tokens_per_s": spec.stats.tokens_per_s, "tau": spec.stats.tau,
+        "steps": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens,
         "identical": diverges is None if temperature == 0 else None,
         "first_divergence": diverges if temperature == 0 else None,
         "draft_s": spec.stats.draft_s, "verify_s": spec.stats.verify_s,
@@ -179,8 +180,9 @@ def categories(rows: list[dict]) -> dict:
             continue
         base = sum(r["baseline_tokens"] for r in mine) / sum(r["baseline_s"] for r in mine)
         spec = sum(r["spec_tokens"] for r in mine) / sum(r["spec_s"] for r in mine)
+        steps = sum(r["steps"] for r in mine)  # tau pooled over the set's steps, as the run's own tau is
         out[name] = {"prompts": len(mine), "baseline_tokens_per_s": base, "spec_tokens_per_s": spec,
-                     "speedup": spec / base, "tau": sum(r["tau"] for r in mine) / len(mine)}
+                     "speedup": spec / base, "tau": (sum(r["accepted"] for r in mine) + steps) / max(steps, 1)}
     return out
 
 
