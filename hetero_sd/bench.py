@@ -47,7 +47,7 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
     with the baseline prompt by prompt; "pipeline" (two requests at once) runs the whole set after them.
     blocks: None (the runtime's), a size, or "adaptive"; pipeline runs with the first."""
     if runtime.draft is None:
-        raise ConfigError("bench needs a draft and none is loaded", "load one with draft=FOLDER or draft='random'")
+        raise ConfigError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random (API: draft=FOLDER)")
     for schedule in schedules:
         check_schedule(schedule)
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, rule=rule)

@@ -94,12 +94,11 @@ def run(args) -> int:
         try:
             for target_device, draft_device in where:
                 rt = load_runtime(args, schedules, target_device, draft_device)
-                if rt.draft is None:
-                    raise HeteroSDError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random")
                 for note in rt.notes:
                     progress.console.print(f"[yellow]note:[/] {note}")
                 for temperature in temps:
-                    tick = ticker(progress, task, len(prompts), f"{target_device}/{rt.info['draft_device']} T={temperature:g}")
+                    tick = ticker(progress, task, len(prompts), f"{rt.info['target_device']}/{rt.info['draft_device']} "
+                                                                f"T={temperature:g}")
                     res = run_bench(rt, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
                                     rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
                                     progress=tick)
@@ -152,11 +151,7 @@ def report(saver: Saver) -> None:
                   f"{m['tau']:.2f}", str(m["lossless"]))
     Console().print(t)
     for r in saver.runs:
-        if len(r["schedules"]) > 1 or r["schedules"][0]["schedule"] != "sequential":
-            print_schedules(r, f"schedules, {label(r)}")
-        if r.get("peers") or r.get("floor"):
-            print_peers(r)
-        print_drift(r)
+        print_details(r, f"schedules, {label(r)}")
 
 
 def print_bench(res: dict) -> None:
@@ -173,14 +168,15 @@ def print_bench(res: dict) -> None:
     t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
               f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
     Console().print(t)
+    print_details(res, "schedules (same prompts, same process)")
+
+
+def print_details(res: dict, schedules_title: str) -> None:
+    """What a run has beyond its main row: schedules and block settings, peers and floor, drift."""
     if len(res["schedules"]) > 1 or res["schedules"][0]["schedule"] != "sequential":  # also one row per block
-        print_schedules(res)
+        print_schedules(res, schedules_title)
     if res.get("peers") or res.get("floor"):
         print_peers(res)
-    print_drift(res)
-
-
-def print_drift(res: dict) -> None:
     if res.get("drift"):
         d = res["drift"]
         Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
@@ -234,7 +230,7 @@ def pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def print_schedules(res: dict, title: str = "schedules (same prompts, same process)") -> None:
+def print_schedules(res: dict, title: str) -> None:
     t = Table(title=title)
     for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
         t.add_column(col, justify="right")
