@@ -2,7 +2,7 @@
 # Issue "Train the default draft": a trained draft for SmolLM2 against the autoregressive baseline,
 # torch backend, float32 for both, 256 new tokens, T=0 (HumanEval and chat) and T=1 (HumanEval).
 # Each bench runs the baseline and speculative decoding alternately on the same prompts in one process.
-#   DRAFT=path/to/draft TAG=name [BLOCKS=16,4,adaptive] bash benchmarks/default_draft.sh [LIMIT] [BLOCK]
+#   DRAFT=path/to/draft TAG=name [BLOCKS=16,4,auto] bash benchmarks/default_draft.sh [LIMIT] [BLOCK]
 # BLOCKS: extra block settings measured on the HumanEval T=0 run (the first one is the headline row).
 set -euo pipefail
 cd "$(dirname "$0")/.."

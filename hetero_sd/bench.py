@@ -45,7 +45,7 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
               blocks: Sequence = (None,), progress=None) -> dict:
     """Baseline and each (schedule, block setting) on the same prompts. Per-prompt schedules alternate
     with the baseline prompt by prompt; "pipeline" (two requests at once) runs the whole set after them.
-    blocks: None (the runtime's), a size, or "adaptive"; pipeline runs with the first."""
+    blocks: None (the runtime's), a size, or "auto"; pipeline runs with the first."""
     if runtime.draft is None:
         raise ConfigError("bench needs a draft and none is loaded", "pass --draft FOLDER or --draft random (API: draft=FOLDER)")
     for schedule in schedules:
@@ -113,7 +113,8 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
     }
 
 
-def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temperature: float) -> dict:
+def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temperature: float,
+                 default_block: str = "fixed") -> dict:
     schedule, block = key
     stats = [g.stats for g in gens]
     timelines = {id(s.timeline): s.timeline for s in stats}.values()
@@ -123,7 +124,7 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
     hidden = sum(t.concurrent_s() for t in timelines)
     total = merge(gens, stats[0].block_size)
     steps = sum(s.predraft_steps for s in stats)
-    return {"schedule": schedule, "block": block or "fixed", "wall_s": wall, "tokens": tokens, "tau": total.tau,
+    return {"schedule": schedule, "block": block or default_block, "wall_s": wall, "tokens": tokens, "tau": total.tau,
             "spec_tokens_per_s": tokens / wall, "speedup": tokens / wall / base_tps,
             "overlap_fraction": hidden / draft if draft else 0.0,
             "lossless": (all(g.token_ids == r["baseline_ids"] for g, r in zip(gens, rows))
@@ -132,7 +133,7 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
             "draft_to_verify_cost": cost_ratio(timelines),
             "mean_verify_s": mean_span(timelines, "verify"), "mean_draft_s": mean_span(timelines, "draft"),
             "fallbacks": sum(s.fallback is not None for s in stats),
-            "block_size_histogram": total.block_size_histogram}
+            "block_size_histogram": total.block_size_histogram, "tokens_by_mode": {m: sum(s.tokens_by_mode[m] for s in stats) for m in stats[0].tokens_by_mode}}
 
 
 def mean_span(timelines, name: str) -> float | None:
@@ -150,7 +151,8 @@ def cost_ratio(timelines) -> float | None:
 def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
     base_tok, base_s = sum(r["baseline_tokens"] for r in rows), sum(r["baseline_s"] for r in rows)
     base_tps = base_tok / base_s
-    schedules = [schedule_row(key, gens, rows, base_tps, gen["temperature"]) for key, gens in runs.items()]
+    schedules = [schedule_row(key, gens, rows, base_tps, gen["temperature"], runtime.block)
+                 for key, gens in runs.items()]
     main = schedules[0]
     total = merge(next(iter(runs.values())), runtime.block_size)
     for r in rows:
@@ -166,7 +168,7 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
         "time_split_s": {"prefill": total.prefill_s, "draft": total.draft_s, "verify": total.verify_s,
                          "other": total.other_s},
         "categories": categories(rows), "notes": runtime.notes, "prompts": rows,
-        "timelines": [(f"{s} block {b or 'fixed'} #{g.stats.request}", g.stats.timeline)
+        "timelines": [(f"{s} block {b or runtime.block} #{g.stats.request}", g.stats.timeline)
                       for (s, b), gens in runs.items() for g in (gens if s != "pipeline" else gens[:1])],
     }
 
@@ -192,6 +194,7 @@ def merge(gens: list, block_size: int) -> Stats:
         for d, a in zip(s.drafted_per_step, s.accepted_per_step):
             total.record_step(d, a)
         total.num_generated_tokens += s.num_generated_tokens
+        total.plain_steps += s.plain_steps
         for name in ("prefill_s", "draft_s", "verify_s", "total_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
     return total

@@ -232,10 +232,13 @@ def pct(x) -> str:
 
 def print_schedules(res: dict, title: str) -> None:
     t = Table(title=title)
-    for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "overlap", "pre-draft hits", "lossless"):
+    for col in ("schedule", "block", "wall s", "tok/s", "speedup", "tau", "from blocks", "overlap", "pre-draft hits",
+                "lossless"):
         t.add_column(col, justify="right")
     for r in res["schedules"]:
         hits = "" if r["predraft_hit_rate"] is None else f"{r['predraft_hit_rate']:.0%}"
+        modes = r["tokens_by_mode"]
         t.add_row(r["schedule"], str(r["block"]), f"{r['wall_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                  f"{r['tau']:.2f}", f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
+                  f"{r['tau']:.2f}", pct(modes["speculative"] / max(sum(modes.values()), 1)),
+                  f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
     Console().print(t)

@@ -24,7 +24,8 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
     p.add_argument("--block-size", type=block_arg, default=None,
-                   help="override the draft's block size, or 'adaptive' (chosen per step from acceptance and cost)")
+                   help="'auto' (default: a controller picks plain decoding or a block size each step, from "
+                        "measured costs and acceptance) or a fixed block size")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per lane (default: all cores; half each when both lanes share the CPU "
                         "and a schedule runs them at once)")
@@ -46,12 +47,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int, many: bool = Fal
 
 
 def block_arg(value: str) -> int | str:
-    if value == "adaptive":
+    if value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'adaptive'") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'auto'") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,8 +71,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", help="write a Chrome trace of the generation here")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
-    # the CPU-trained draft until a default draft ships (its note says it is weak)
-    add_model_args(b, "cpu-trained")
+    add_model_args(b, "default")
     add_sampling_args(b, 256, many=True)
     b.add_argument("--placements", default=None,
                    help="comma-separated TARGET/DRAFT devices, each a full run, e.g. cpu/cpu,cpu/ane-sim,mlx/mlx")
@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a small autoregressive model (HF folder, same tokenizer) for mlx-lm's speculative mode")
     b.add_argument("--floor", action="store_true", help="measure memory bandwidth and report the decode-step floor")
     b.add_argument("--blocks", default=None,
-                   help="comma-separated block settings compared in one run, e.g. 16,8,4,adaptive")
+                   help="comma-separated block settings compared in one run, e.g. 16,8,4,auto")
     b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")
 
     c = sub.add_parser("chat", help="a terminal chat app that shows speculative decoding at work")
@@ -137,12 +137,21 @@ def cmd_generate(args) -> None:
     for note in stats.notes:
         err.print(f"[yellow]note:[/] {note}")
     err.print(f"[dim]{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
-              f"tau {stats.tau:.2f}, {stats.mode}, {stats.schedule}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
+              f"tau {stats.tau:.2f}, {mode_summary(stats)}, {stats.schedule}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
     if args.trace:
         write_json(args.trace, chrome_trace([("generate", stats.timeline)]))
     if args.json:
         write_json(args.json, {"token_ids": ids, "text": rt.tokenizer.decode(ids, skip_special_tokens=True),
                                "stats": stats.to_dict(), "models": rt.info})
+
+
+def mode_summary(stats) -> str:
+    """'speculative', 'autoregressive', or the controller's split: 'auto: 60% of tokens from blocks'."""
+    if stats.controller is None:
+        return stats.mode
+    by_mode = stats.tokens_by_mode
+    share = by_mode["speculative"] / max(sum(by_mode.values()), 1)
+    return f"auto: {share:.0%} of tokens from blocks, {stats.plain_steps} plain steps"
 
 
 def cmd_bench(args) -> int:

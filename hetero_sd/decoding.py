@@ -26,7 +26,7 @@ import torch
 
 from backends.base import DraftBackend, TargetBackend
 
-from .adaptive import AdaptiveBlock, FixedBlock
+from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
 from .sampling import Sampler, draft_tokens, verify
 from .stats import Stats
@@ -77,11 +77,20 @@ class Request:
     stats: Stats
     lanes: Lanes
     rule: str = "match"
-    blocks: FixedBlock | AdaptiveBlock | None = None  # block size per step (None: the draft's own)
-    draft_s: float = 0.0  # the current block's draft time, for the block-size policy
+    policy: FixedBlock | AutoBlock | None = None  # block size per step, 1 = plain (None: the draft's own)
+    draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
 
-    def block(self) -> int:
-        return self.blocks.choose() if self.blocks else self.draft.block_size
+    def block_size(self) -> int:
+        """The size of the next step: 1 is a plain decode step, 2.. a DFlash block of that size."""
+        size = self.policy.choose() if self.policy else self.draft.block_size
+        self.stats.record_choice(size)
+        return size
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        kept = self.budget.take(tokens)
+        if self.policy:
+            self.policy.emitted(kept)
+        return kept
 
 
 class DraftFault(RuntimeError):
@@ -105,7 +114,7 @@ def prefill(r: Request, features: bool):
 
 def autoregressive(r: Request) -> Iterator[Step]:
     token, _ = prefill(r, features=False)
-    yield Step(r.budget.take([token]))
+    yield Step(r.emit([token]))
     yield from finish_autoregressive(r, token)
 
 
@@ -115,7 +124,19 @@ def finish_autoregressive(r: Request, token: int) -> Iterator[Step]:
         logits = r.lanes.target("decode", lambda: r.target.forward([token], features=False).logits)
         token = r.sampler.sample(logits)[0]
         r.lanes.step += 1
-        yield Step(r.budget.take([token]))
+        yield Step(r.emit([token]))
+
+
+def plain_step(r: Request, anchor: int) -> tuple[Step, int, torch.Tensor]:
+    """One plain decode step inside a speculative generation (the controller chose it). The anchor's
+    context features are kept, so that the draft can take over again at any step."""
+    began = time.perf_counter()
+    out = r.lanes.target("decode", lambda: r.target.forward([anchor]))
+    token = r.sampler.sample(out.logits)[0]
+    r.policy.observe_plain(time.perf_counter() - began)
+    r.stats.record_plain()
+    r.lanes.step += 1
+    return Step(r.emit([token])), token, out.features
 
 
 def on_draft(r: Request, label: str, job):
@@ -134,10 +155,9 @@ def fault(r: Request, e: Exception) -> None:
 
 
 def first_block(r: Request, anchor: int, context: torch.Tensor) -> torch.Tensor | None:
-    def run():
-        r.draft.crop(0)
-        return next_block(r.draft, context, anchor, None, r.block())
-    return timed_draft(r, run)
+    """The block after prefill, drafted at the draft's own size (draft_step's experiments)."""
+    r.draft.crop(0)
+    return timed_draft(r, partial(next_block, r.draft, context, anchor, None))
 
 
 def timed_draft(r: Request, job) -> torch.Tensor | None:
@@ -161,25 +181,32 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
     r.target.crop(start + keep)
     r.stats.record_step(len(drafted), verdict.accepted)
-    if r.blocks:
-        r.blocks.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
+    if r.policy:
+        r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
     r.lanes.step += 1
-    return Step(r.budget.take(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
+    return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
 
 def speculative(r: Request) -> Iterator[Step]:
-    anchor, context = prefill(r, features=True)
-    yield Step(r.budget.take([anchor]))
-    logits = first_block(r, anchor, context)
+    """Draft a block, verify it; or, when the controller says so, a plain decode step. `pending` holds
+    the context features the draft has not been given yet (it catches up on its next block)."""
+    anchor, pending = prefill(r, features=True)
+    yield Step(r.emit([anchor]))
+    r.draft.crop(0)
     while not r.budget.done:
+        size = r.block_size()
+        if size == PLAIN:
+            step, anchor, features = plain_step(r, anchor)
+            pending = torch.cat([pending, features])
+            yield step
+            continue
+        logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, None, size))
         if logits is None:
             yield from finish_autoregressive(r, anchor)
             return
-        step, verdict, context = verify_block(r, anchor, logits)
+        step, verdict, pending = verify_block(r, anchor, logits)
         anchor = verdict.tokens[-1]
         yield step
-        if not r.budget.done:
-            logits = timed_draft(r, partial(next_block, r.draft, context, anchor, None, r.block()))
 
 
 def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: torch.Tensor | None,
@@ -190,10 +217,18 @@ def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: t
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:
-    anchor, context = prefill(r, features=True)
-    yield Step(r.budget.take([anchor]))
-    logits, pace = first_block(r, anchor, context), Pace()
+    anchor, pending = prefill(r, features=True)
+    yield Step(r.emit([anchor]))
+    r.draft.crop(0)
+    ready, pace = None, Pace()  # ready: the block pre-drafted for this anchor, if a guess was right
     while not r.budget.done:
+        size = r.block_size()
+        if size == PLAIN:  # a pre-drafted block, if any, is dropped unread
+            step, anchor, features = plain_step(r, anchor)
+            pending, ready = torch.cat([pending, features]), None
+            yield step
+            continue
+        logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, ready, size))
         if logits is None:
             yield from finish_autoregressive(r, anchor)
             return
@@ -203,11 +238,12 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
             jobs["began"] = time.perf_counter()
             verifying = r.lanes.submit("target", "verify", partial(r.target.forward, [anchor] + drafted))
             guesses = hypotheses(logits, drafted, max_hypotheses)  # computed while the target works
+            ahead = r.policy.peek() if r.policy else None  # the next block's size as it looks now
             jobs["predraft"] = r.lanes.submit("draft", "predraft", partial(
-                predraft, r.draft, guesses, start, verifying, pace, jobs["began"]))
+                predraft, r.draft, guesses, start, verifying, pace, jobs["began"], ahead))
             return verifying
 
-        step, verdict, context = verify_block(r, anchor, logits, launch)
+        step, verdict, pending = verify_block(r, anchor, logits, launch)
         pace.verify_s = pace.mix(pace.verify_s, time.perf_counter() - jobs["began"])
         anchor = verdict.tokens[-1]
         ready = on_predraft(r, jobs["predraft"], (verdict.accepted, anchor))
@@ -215,8 +251,6 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
         if ready is FAULT:
             yield from finish_autoregressive(r, anchor)
             return
-        if not r.budget.done:
-            logits = on_draft(r, "draft", partial(next_block, r.draft, context, anchor, ready))
 
 
 def on_predraft(r: Request, future, outcome: tuple[int, int]):
@@ -267,7 +301,7 @@ class Pace:
 
 
 def predraft(draft: DraftBackend, guesses: list[tuple[int, int]], start: int, verifying, pace: Pace,
-             verify_began: float) -> dict:
+             verify_began: float, size: int | None = None) -> dict:
     """Draft the next block for each guessed outcome, likeliest first, while verification runs.
     Context is lagged: the draft has features only up to `start`; the block sits at its true position."""
     blocks = {}
@@ -275,6 +309,6 @@ def predraft(draft: DraftBackend, guesses: list[tuple[int, int]], start: int, ve
         if verifying.done() or not pace.fits(verify_began):
             break
         began = time.perf_counter()
-        blocks[(accepted, bonus)] = draft.propose(bonus, position=start + accepted + 1)
+        blocks[(accepted, bonus)] = draft.propose(bonus, position=start + accepted + 1, size=size)
         pace.guess_s = pace.mix(pace.guess_s, time.perf_counter() - began)
     return blocks

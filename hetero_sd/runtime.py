@@ -20,7 +20,8 @@ from backends.base import DraftBackend, TargetBackend
 from backends.shadow import ShadowedDraft
 
 from . import decoding
-from .adaptive import AdaptiveBlock, FixedBlock
+from .controller import AutoBlock, FixedBlock, Memory
+from .cost_cache import cost_key, costs_for, source_id
 from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
 from .devices import check_device, cpu_bound
@@ -81,13 +82,14 @@ class TextStream:
 
 class Runtime:
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
-                 info: dict, schedule: str = "sequential", block: str | int = "fixed"):
+                 info: dict, schedule: str = "sequential", block: str | int = "fixed",
+                 memory: Memory | None = None):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
         self.schedule = check_schedule(schedule)
-        self.block = block  # "fixed" (the draft's block size), "adaptive", or a size
-        self.adaptive: AdaptiveBlock | None = None  # learnt acceptance and costs, kept across generations
+        self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
+        self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.target_lane = Lane("target", target.device)
         self.draft_lane = Lane("draft", draft.device if draft else target.device)
 
@@ -114,8 +116,8 @@ class Runtime:
 
         Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
-        schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "fixed",
-        "adaptive" or a size up to the draft's), timeline=None (record into this one)."""
+        schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "auto",
+        "fixed" or a size up to the draft's), timeline=None (record into this one)."""
         prompt_ids, notes = self.encode(prompt, chat)
         return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
@@ -142,7 +144,7 @@ class Runtime:
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats),
                                stats, lanes, rule)
         if use_draft:
-            req.blocks = self.block_policy(block or self.block, schedule, stats)
+            req.policy = self.block_policy(block or self.block, prompt_ids)
             if isinstance(req.draft, ShadowedDraft):  # drift of this generation
                 req.draft.meter = stats.drift = Drift(req.draft.device)
         if not use_draft:
@@ -151,9 +153,9 @@ class Runtime:
             steps = decoding.overlapped(req)
         else:
             steps = decoding.speculative(req)
-        return self.events(steps, stats)
+        return self.events(steps, stats, req.policy)
 
-    def events(self, steps, stats: Stats) -> Iterator[StreamEvent]:
+    def events(self, steps, stats: Stats, policy=None) -> Iterator[StreamEvent]:
         text = TextStream(self.tokenizer)
         began = time.perf_counter()
         try:
@@ -163,6 +165,8 @@ class Runtime:
                 yield StreamEvent(step.tokens, text.add(step.tokens), step.accepted, stats)
         finally:  # also when the consumer stops early: device times come from the timeline, once
             stats.close()
+            if isinstance(policy, AutoBlock):
+                stats.controller = policy.finish()
 
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                  **kwargs) -> Generation:
@@ -186,20 +190,20 @@ class Runtime:
         tokens, _ = draft_tokens(req.sampler, logits, "match")
         return DraftStep(anchor, tokens, logits.float().cpu().numpy())
 
-    def block_policy(self, block: str | int, schedule: str, stats: Stats):
+    def block_policy(self, block: str | int, prompt_ids: list[int]):
+        """The per-step block size: the controller (a fresh one per generation, over the runtime's
+        memory), or a fixed size."""
         if block == "fixed":
             return None
-        if block == "adaptive":
-            if schedule == "overlap":
-                stats.notes.append("adaptive block sizes apply to the sequential and pipeline schedules; "
-                                   "overlap pre-drafts full blocks")
-                return None
-            self.adaptive = self.adaptive or AdaptiveBlock(self.draft.block_size)
-            return self.adaptive
-        if isinstance(block, int) and 2 <= block <= self.draft.block_size:
+        if block == "auto":
+            if self.memory is None:
+                raise ConfigError("this runtime was loaded without step costs, which block='auto' needs",
+                                  "load it with block_size='auto' (the default)")
+            return AutoBlock(self.draft.block_size, self.memory, prompt_ids)
+        if isinstance(block, int) and not isinstance(block, bool) and 2 <= block <= self.draft.block_size:
             return FixedBlock(block)
         raise ConfigError(f"block {block!r} is not a block size this draft can fill",
-                          f"use 'fixed', 'adaptive' or a size from 2 to {self.draft.block_size}")
+                          f"use 'auto', 'fixed' or a size from 2 to {self.draft.block_size}")
 
     def lanes(self, timeline: Timeline, request: int = 0) -> Lanes:
         return Lanes(self.target_lane, self.draft_lane, timeline, request)
@@ -311,8 +315,10 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     schedule: "sequential", "overlap" (pre-draft the next block during verification) or "pipeline"
     (generate_many runs two requests at once). cpu_threads: torch CPU threads per lane; by default,
     when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
-    block_size: the draft's own by default; a smaller or larger size; or "adaptive" (chosen each step
-    from measured acceptance and cost, up to the draft's size)."""
+    block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
+    2 up to the draft's size, from this placement's step costs (measured once per machine and cached
+    under the model home) and the acceptance seen so far; or a fixed size (smaller or larger than the
+    draft's own), used on every step."""
     from transformers import AutoTokenizer
 
     target_device = check_device(target_device, "target")
@@ -334,21 +340,30 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if mask is None and "<|MASK|>" in tokenizer.get_vocab():
         mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     mask = check_pair(dcfg, tcfg, mask)
-    block = "fixed"
-    if block_size == "adaptive":
-        block, block_size = "adaptive", None
-    if block_size is not None:
-        block_size = int(block_size)
-        if block_size < 2:
-            raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
-        dcfg.block_size = block_size
+    block = "auto" if block_size in (None, "auto") else "fixed"
+    if block == "fixed":
+        dcfg.block_size = fixed_block_size(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context)
     d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
-    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
+    memory = None
+    if block == "auto":
+        key = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
+                       str(getattr(t, "dtype", "mlx")), d.block_size)
+        memory = Memory(costs_for(t, d, key, info["notes"]), d.block_size)
+    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block, memory)
+
+
+def fixed_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ConfigError(f"block size {block_size!r} is neither 'auto' nor a whole number",
+                          "use block_size='auto' or a size >= 2")
+    if block_size < 2:
+        raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
+    return block_size
 
 
 def oversubscription(target_device: str, draft_device: str) -> list[str]:
@@ -420,18 +435,24 @@ def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draf
 SHIPPED_DRAFTS = {"default": DEFAULT_TARGET, "cpu-trained": f"{DEFAULT_TARGET}-cpu-trained"}
 
 
+def shipped(name: str):
+    folder = resources.files("hetero_sd.data").joinpath("drafts", SHIPPED_DRAFTS[name])
+    return folder if folder.joinpath("config.json").is_file() else None
+
+
 def default_draft(draft: str | None, target: str, notes: list[str]) -> str | None:
-    """"default" means the draft shipped for the default target; say so when there is none.
-    "cpu-trained" is the weaker draft trained on this project's 2-core CPU (kept for measurements)."""
+    """"default" means the best draft shipped for the default target: the trained default when it ships,
+    else the weaker "cpu-trained" one, which the block-size controller keeps from slowing decoding down."""
     if draft in (None, "none"):
         return None
     if draft not in SHIPPED_DRAFTS:
         return draft
-    shipped = resources.files("hetero_sd.data").joinpath("drafts", SHIPPED_DRAFTS[draft])
-    if target == "default" and shipped.joinpath("config.json").is_file():
-        if draft == "cpu-trained":
-            notes.append(cpu_trained_note(shipped))
-        return str(shipped)
+    if target == "default":
+        folder = shipped(draft) or (shipped("cpu-trained") if draft == "default" else None)
+        if folder is not None:
+            if folder == shipped("cpu-trained"):
+                notes.append(cpu_trained_note(folder))
+            return str(folder)
     if draft == "cpu-trained":
         raise ConfigError(f"the cpu-trained draft belongs to the default target ({DEFAULT_TARGET}), not {target}",
                           "pass a DFlash draft folder trained for this target (hetero-sd train-draft)")
@@ -444,7 +465,7 @@ def cpu_trained_note(folder) -> str:
     done = json.loads(folder.joinpath("training.json").read_text())
     tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
     return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f}; "
-            "too weak to beat autoregressive decoding here (benchmarks/TRAINING.md)")
+            "weak: with block size 'auto' the controller decodes plainly wherever it does not pay")
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:

@@ -22,7 +22,7 @@ class Stats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
-    drafted_per_step: list[int] = field(default_factory=list)  # block size - 1 (varies when adaptive)
+    drafted_per_step: list[int] = field(default_factory=list)  # block size - 1 (varies under the controller)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -37,6 +37,10 @@ class Stats:
     timeline: Timeline | None = field(default=None, repr=False)  # per-device spans of this generation
     drift: Drift | None = field(default=None, repr=False)  # precision drift of the draft device, if measured
     request: int = 0  # which request of the timeline is this one (pipelined runs share a timeline)
+    plain_steps: int = 0  # plain decode steps that the block-size controller chose in a speculative run
+    switches: list[list] = field(default_factory=list)  # [generated tokens so far, "plain"|"speculative", size]
+    controller: dict | None = None  # the controller's costs, corrections and probes (block size "auto")
+    current_size: int = 0  # the latest step's size (1: plain), for live views
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -44,6 +48,25 @@ class Stats:
         self.num_accepted_tokens += accepted
         self.accepted_per_step.append(accepted)
         self.drafted_per_step.append(drafted)
+
+    def record_plain(self) -> None:
+        self.plain_steps += 1
+
+    def record_choice(self, size: int) -> None:
+        """A step's size (1: plain decoding); a change between plain and speculative is a switch."""
+        mode = "plain" if size == 1 else "speculative"
+        self.current_size = size
+        if not self.switches or self.switches[-1][1] != mode:
+            self.switches.append([self.num_generated_tokens, mode, size])
+
+    @property
+    def tokens_by_mode(self) -> dict[str, int]:
+        """Generated tokens by where they came from: the prefill, plain decode steps, verified blocks."""
+        first = min(self.num_generated_tokens, 1)
+        if self.mode == "autoregressive":
+            return {"prefill": first, "plain": self.num_generated_tokens - first, "speculative": 0}
+        return {"prefill": first, "plain": self.plain_steps,
+                "speculative": max(self.num_generated_tokens - first - self.plain_steps, 0)}
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -71,8 +94,11 @@ class Stats:
 
     @property
     def block_size_histogram(self) -> dict[int, int]:
-        """Block size (anchor + drafts) -> steps that used it."""
-        return dict(sorted(Counter(d + 1 for d in self.drafted_per_step).items()))
+        """Block size (anchor + drafts) -> steps that used it; 1 counts the controller's plain steps."""
+        counts = Counter(d + 1 for d in self.drafted_per_step)
+        if self.plain_steps:
+            counts[1] = self.plain_steps
+        return dict(sorted(counts.items()))
 
     @property
     def acceptance_length_histogram(self) -> dict[int, int]:
@@ -116,5 +142,5 @@ class Stats:
                  draft_acceptance_rate=self.draft_acceptance_rate,
                  acceptance_rate_per_position=self.acceptance_rate_per_position,
                  acceptance_length_histogram=self.acceptance_length_histogram,
-                 tokens_per_s=self.tokens_per_s, other_s=self.other_s)
+                 tokens_per_s=self.tokens_per_s, other_s=self.other_s, tokens_by_mode=self.tokens_by_mode)
         return d

@@ -85,7 +85,8 @@ def default_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_random(default_folder):
-    """The real default target with an untrained draft of the right shape."""
+    """The real default target with an untrained draft of the right shape, at a fixed block of 16 (the
+    controller's tests load their own)."""
     import hetero_sd
 
-    return hetero_sd.load("default", "random")
+    return hetero_sd.load("default", "random", block_size=16)

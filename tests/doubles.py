@@ -12,9 +12,11 @@ class OracleDraft(DraftBackend):
     """Proposes the true continuation (from a baseline run), wrong after `correct` tokens. Where it is
     wrong, the true token is its second choice, so the overlap schedule's guesses can find it."""
 
-    def __init__(self, sequence: list[int], block_size: int, vocab: int, correct: int | None = None):
+    def __init__(self, sequence: list[int], block_size: int, vocab: int, correct: int | None = None,
+                 right=None):
         self.sequence, self.block_size, self.vocab = sequence, block_size, vocab
         self.correct = block_size - 1 if correct is None else correct
+        self.right = right  # right(position) -> bool: right only on stretches of the text (and `correct`)
         self.mask_token_id, self.device, self.length = 0, "cpu", 0
 
     @property
@@ -36,7 +38,7 @@ class OracleDraft(DraftBackend):
         truth += [5] * (size - 1 - len(truth))
         logits = torch.zeros(size - 1, self.vocab)
         for i, t in enumerate(truth):
-            if i < self.correct:
+            if i < self.correct and (self.right is None or self.right(position + 1 + i)):
                 logits[i, t] = 20.0
             else:
                 logits[i, (t + 1) % self.vocab], logits[i, t] = 20.0, 15.0

@@ -1,5 +1,5 @@
-"""The drafts shipped for the embedded default target: "default" (loads with no flags; none ships yet)
-and "cpu-trained" (the draft trained on this project's CPU): each loads, accepts more than an untrained
+"""The drafts shipped for the embedded default target: "default" (loads with no flags; until a trained
+default ships, "default" means "cpu-trained") and "cpu-trained" (the draft trained on this project's CPU): each loads, accepts more than an untrained
 draft would, and stays lossless."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def shipped(name: str) -> bool:
 def runtime(request, default_folder):
     if not shipped(request.param):
         pytest.skip(f"no {request.param!r} draft ships in this checkout")
-    return request.param, hetero_sd.load("default", request.param)
+    return request.param, hetero_sd.load("default", request.param, block_size=16)  # tau at a fixed block
 
 
 @pytest.mark.slow
@@ -46,6 +46,16 @@ def test_shipped_draft_is_lossless_and_accepts(runtime, prompt):
     base = rt.generate(prompt, max_new_tokens=64, speculative=False)
     assert spec.token_ids == base.token_ids
     assert spec.stats.tau > MIN_TAU[name]
+
+
+@pytest.mark.slow
+def test_no_flags_load_the_best_shipped_draft_under_the_controller(default_folder):
+    rt = hetero_sd.load()
+    best = "default" if shipped("default") else "cpu-trained"
+    assert rt.draft is not None and rt.info["draft"].endswith(SHIPPED_DRAFTS[best]) and rt.block == "auto"
+    out = rt.generate(PROMPTS[0], max_new_tokens=32)
+    assert out.token_ids == rt.generate(PROMPTS[0], max_new_tokens=32, speculative=False).token_ids
+    assert out.stats.controller is not None and sum(out.stats.tokens_by_mode.values()) == len(out.token_ids)
 
 
 def test_cpu_trained_draft_refuses_another_target(tiny_llama):

@@ -112,6 +112,11 @@ def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, sett
     if baseline_tps:
         row("speedup", f"{stats.tokens_per_s / baseline_tps:.2f}x", "bold")
     row("tau", f"{stats.tau:.2f}" if stats.mode == "speculative" else "- (no draft)", "bold")
+    if stats.mode == "speculative" and (stats.plain_steps or stats.controller is not None or stats.switches):
+        now = "plain" if stats.current_size == 1 else f"block {stats.current_size}"
+        by_mode = stats.tokens_by_mode
+        row("step", now, "bold")
+        row("tokens", f"{by_mode['speculative']} blocks / {by_mode['plain']} plain")
     if stats.mode == "speculative":
         hist = stats.acceptance_length_histogram
         t.append(f"tokens/step 1..{stats.block_size}\n", "dim")

@@ -1,0 +1,284 @@
+"""Per step, plain decoding or a DFlash block of size 2..B: whichever is expected to be fastest.
+
+A block of size b (anchor + b-1 drafts) emits E(b) = 1 + sum_{i<b} prod_{k<=i} a_k tokens on average,
+where a_k is the chance that draft k is accepted given that drafts 1..k-1 were; it costs one draft pass
+of size b and one verify of b tokens. A plain decode step emits one token for one decode step. The
+controller picks the mode with the most expected tokens per second:
+- costs: measured once per machine (costs.py: decode, verify of k tokens, draft of size b), corrected
+  online by the times the steps of this runtime actually take (another schedule, threads, context);
+- acceptance: counted per position on this generation's steps, decayed per emitted token so that it
+  follows the text (code, prose, lists), shrunk towards a prior carried over from earlier generations.
+
+Plain decoding observes no acceptance, so in plain mode the controller re-probes speculation: after a
+run of plain steps that doubles each time a probe does not pay and resets when one does, or sooner
+when the text repeats itself (its last tokens occurred before in the prompt or the answer: code,
+lists and quotes are where drafts are right). Whatever is chosen, the target decides every token:
+the choice changes speed, never the output."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .costs import Costs
+
+PLAIN = 1  # the block size that stands for plain decoding in choices and histograms
+
+
+class FixedBlock:
+    """Always the same block size (the draft's own, or one the user forced)."""
+
+    auto = False
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def choose(self) -> int:
+        return self.size
+
+    def peek(self) -> int:
+        return self.size
+
+    def emitted(self, tokens: list[int]) -> None:
+        pass
+
+    def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+    def max_gap(self, size: int) -> int:
+        """The longest wait between probes: long enough that failed probes (a step of `size` instead
+        of a decode step) cost at most PROBE_BUDGET of the time, short enough to catch a stretch of
+        predictable text; cheap probes (a fast verify) are made more often."""
+        with self.memory.lock:
+            excess = self.memory.cost.step(size) - self.memory.cost.step(PLAIN)
+            decode = self.memory.cost.step(PLAIN)
+        return int(min(max(excess / (self.PROBE_BUDGET * decode), self.GAP), self.MAX_GAP))
+
+    def observe_plain(self, seconds: float) -> None:
+        pass
+
+
+def interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through measured (size, seconds) points, extended linearly past both ends."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    lo = max([k for k in xs[:-1] if k <= x], default=xs[0])
+    hi = xs[xs.index(lo) + 1]
+    y = points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    return max(y, 0.25 * min(points.values()))  # extrapolating down never reaches zero cost
+
+
+@dataclass
+class CostModel:
+    """Seconds per step of each kind, from measured costs times an online correction per kind."""
+
+    costs: Costs
+    spec_factor: float = 1.0  # observed / modelled, speculative steps
+    plain_factor: float = 1.0  # observed / modelled, plain steps
+    learn: bool = True  # False: the measured costs as they are (tests and replays)
+    ALPHA = 0.2
+
+    def step(self, size: int) -> float:
+        if size == PLAIN:
+            return self.plain_factor * self.costs.decode_s
+        return self.spec_factor * self.model(size)
+
+    def model(self, size: int) -> float:
+        return interpolate(self.costs.draft_s, size) + interpolate(self.costs.verify_s, size)
+
+    def observe(self, size: int, seconds: float) -> None:
+        if not self.learn:
+            return
+        if size == PLAIN:
+            self.plain_factor += self.ALPHA * (seconds / self.costs.decode_s - self.plain_factor)
+        else:
+            self.spec_factor += self.ALPHA * (seconds / self.model(size) - self.spec_factor)
+
+    def to_dict(self) -> dict:
+        return {**self.costs.to_json(), "spec_factor": round(self.spec_factor, 3),
+                "plain_factor": round(self.plain_factor, 3)}
+
+
+@dataclass
+class Acceptance:
+    """Per-position acceptance counts: reached[k] counts steps that drafted position k+1 with positions
+    1..k accepted, accepted[k] those that accepted it too."""
+
+    size: int
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reached = self.reached or [0.0] * self.size
+        self.accepted = self.accepted or [0.0] * self.size
+
+    def add(self, drafted: int, accepted: int) -> None:
+        for k in range(min(accepted + 1, drafted)):
+            self.reached[k] += 1.0
+            self.accepted[k] += k < accepted
+
+    def decay(self, factor: float) -> None:
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+
+    def rates(self, count: int, prior: list[float], weight: float) -> list[float]:
+        """Conditional acceptance per position, shrunk towards the prior (worth `weight` steps); where
+        the prior has no evidence either, a position is assumed to behave like the one before it."""
+        out, previous = [], prior[0] if prior else 0.5
+        for k in range(count):
+            base = prior[k] if k < len(prior) else previous
+            previous = (self.accepted[k] + weight * base) / (self.reached[k] + weight)
+            out.append(previous)
+        return out
+
+    def conditional(self) -> list[float]:
+        """Raw conditional rates where there is evidence (used as the next generations' prior)."""
+        return [a / r for a, r in zip(self.accepted, self.reached) if r > 0.5]
+
+
+class Memory:
+    """What outlives a generation: the measured costs with their online corrections, and the
+    acceptance of earlier generations (the prior). Shared by concurrent requests, hence the lock."""
+
+    def __init__(self, costs: Costs, max_size: int, learn_costs: bool = True):
+        self.lock = threading.Lock()
+        self.cost = CostModel(costs, learn=learn_costs)
+        self.history = Acceptance(max_size)
+
+    def prior(self) -> list[float]:
+        with self.lock:
+            return self.history.conditional()
+
+    def absorb(self, acceptance: Acceptance) -> None:
+        with self.lock:
+            for k in range(min(len(acceptance.reached), len(self.history.reached))):
+                self.history.reached[k] += acceptance.reached[k]
+                self.history.accepted[k] += acceptance.accepted[k]
+            self.history.decay(0.9)  # newer generations count more: prompts change
+
+
+class Repeats:
+    """Whether the text has just repeated itself: its last n tokens occurred before (prompt included)."""
+
+    N = 3
+
+    def __init__(self, tokens: list[int]):
+        self.tail: list[int] = []
+        self.seen: set[tuple[int, ...]] = set()
+        self.add(list(tokens))
+        self.last = False
+
+    def add(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tail = (self.tail + [t])[-self.N:]
+            if len(self.tail) == self.N:
+                gram = tuple(self.tail)
+                self.last = gram in self.seen
+                self.seen.add(gram)
+
+
+class AutoBlock:
+    """The controller for one generation (see the module docstring)."""
+
+    auto = True
+    DECAY = 0.98  # per emitted token: evidence halves every ~34 tokens of text
+    PRIOR_WEIGHT = 1.0
+    GAP = 4  # plain steps before the first re-probe
+    MAX_GAP = 64
+    PROBE_BUDGET = 0.02  # failed probes may cost this share of the plain steps' time, at most
+    REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
+
+    def __init__(self, max_size: int, memory: Memory, prompt_ids: list[int] = (), allow_plain: bool = True):
+        self.max_size, self.memory, self.allow_plain = max_size, memory, allow_plain
+        self.acceptance = Acceptance(max_size)
+        self.prior = memory.prior()
+        self.repeats = Repeats(list(prompt_ids))
+        self.plain_run, self.gap, self.repeat_gap = 0, self.GAP, self.REPEAT_GAP
+        self.probing = False
+        self.probes = self.probe_hits = 0
+
+    # --- the choice -------------------------------------------------------------------------------
+    def rates(self) -> list[float]:
+        return self.acceptance.rates(self.max_size - 1, self.prior, self.PRIOR_WEIGHT)
+
+    def speeds(self) -> dict[int, float]:
+        """Expected tokens per second of every choice: plain (size 1) and each block size."""
+        with self.memory.lock:
+            cost = self.memory.cost
+            out = {PLAIN: 1.0 / cost.step(PLAIN)} if self.allow_plain else {}
+            expected, chain = 1.0, 1.0
+            for size, rate in enumerate(self.rates(), start=2):
+                chain *= rate
+                expected += chain
+                out[size] = expected / cost.step(size)
+        return out
+
+    def best(self) -> int:
+        speeds = self.speeds()
+        return max(speeds, key=lambda s: (speeds[s], -s))
+
+    def peek(self) -> int:
+        """The choice as it stands, without counting a step (pre-drafting asks ahead of time)."""
+        best = self.best()
+        return best if best != PLAIN else self.best_block()
+
+    def best_block(self) -> int:
+        speeds = {s: v for s, v in self.speeds().items() if s != PLAIN}
+        return max(speeds, key=lambda s: (speeds[s], -s))
+
+    def choose(self) -> int:
+        best = self.best()
+        if best != PLAIN:
+            self.plain_run = 0
+            return best
+        if self.probe_due():
+            self.probing, self.plain_run = True, 0
+            self.probes += 1
+            return self.best_block()
+        self.plain_run += 1
+        return PLAIN
+
+    def probe_due(self) -> bool:
+        if self.plain_run >= self.gap:
+            return True
+        return self.repeats.last and self.plain_run >= self.repeat_gap
+
+    # --- what happened ----------------------------------------------------------------------------
+    def emitted(self, tokens: list[int]) -> None:
+        self.repeats.add(tokens)
+        self.acceptance.decay(self.DECAY ** len(tokens))
+
+    def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
+        self.acceptance.add(drafted, accepted)
+        with self.memory.lock:
+            self.memory.cost.observe(size, seconds)
+        if self.probing:
+            self.probing = False
+            if self.best() == PLAIN:  # the probe did not pay: wait longer before the next one
+                self.gap = min(2 * self.gap, self.max_gap(size))
+                self.repeat_gap = min(2 * self.repeat_gap, self.gap)
+            else:
+                self.probe_hits += 1
+                self.gap, self.repeat_gap = self.GAP, self.REPEAT_GAP
+
+    def max_gap(self, size: int) -> int:
+        """The longest wait between probes: long enough that failed probes (a step of `size` instead
+        of a decode step) cost at most PROBE_BUDGET of the time, short enough to catch a stretch of
+        predictable text; cheap probes (a fast verify) are made more often."""
+        with self.memory.lock:
+            excess = self.memory.cost.step(size) - self.memory.cost.step(PLAIN)
+            decode = self.memory.cost.step(PLAIN)
+        return int(min(max(excess / (self.PROBE_BUDGET * decode), self.GAP), self.MAX_GAP))
+
+    def observe_plain(self, seconds: float) -> None:
+        with self.memory.lock:
+            self.memory.cost.observe(PLAIN, seconds)
+
+    def finish(self) -> dict:
+        """Hand this generation's acceptance to the runtime's memory; the stats' view of the controller."""
+        self.memory.absorb(self.acceptance)
+        with self.memory.lock:
+            costs = self.memory.cost.to_dict()
+        return {"costs": costs, "probes": self.probes, "probes_that_paid": self.probe_hits,
+                "acceptance_prior": [round(p, 3) for p in self.prior]}
