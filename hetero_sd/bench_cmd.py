@@ -81,6 +81,8 @@ def bar() -> Progress:
 
 
 def run(args) -> int:
+    if args.costs:
+        return run_costs(args)
     from .bench import run_bench
     from .prompts import load_prompts
 
@@ -242,3 +244,47 @@ def print_schedules(res: dict, title: str) -> None:
                   f"{r['tau']:.2f}", pct(modes["speculative"] / max(sum(modes.values()), 1)),
                   f"{r['overlap_fraction']:.0%}", hits, str(r["lossless"]))
     Console().print(t)
+
+
+def run_costs(args) -> int:
+    """`bench --costs`: the cost probe on the first placement, as a table and the JSON's `costs` object."""
+    import sys
+
+    from .bench import machine
+    from .costs import measure_costs
+
+    target_device, draft_device = placements(args)[0]
+    rt = load_runtime(args, ["sequential"], target_device, draft_device)
+    for note in rt.notes:
+        err.print(f"[yellow]note:[/] {note}")
+    err.print("[dim]measuring costs (warm-up, then medians)...[/]")
+    costs = measure_costs(rt.target, rt.draft, machine=True)
+    print_costs(costs)
+    if args.json:
+        write_json(args.json, {"machine": machine(), "models": rt.info, "command": " ".join(sys.argv),
+                               "costs": costs.to_json()})
+    rt.close()
+    return 0
+
+
+def print_costs(costs) -> None:
+    t = Table(title=f"costs on {costs.cpu}, {costs.dtype}, {costs.threads} threads, context {costs.context}")
+    for col in ("call", "ms", "x decode step", "floor ms", "x floor"):
+        t.add_column(col, justify="right")
+    floors = costs.floors_s or {}
+
+    def row(name: str, seconds: float, floor: float | None) -> None:
+        t.add_row(name, f"{seconds * 1e3:.2f}", f"{seconds / costs.decode_s:.2f}",
+                  "-" if floor is None else f"{floor * 1e3:.2f}", "-" if not floor else f"{seconds / floor:.2f}")
+
+    row("decode step", costs.decode_s, floors.get("decode"))
+    for k, s in costs.verify_s.items():
+        row(f"verify k={k}", s, floors.get("verify", {}).get(k))
+    for b, s in costs.draft_s.items():
+        row(f"draft b={b}", s, floors.get("draft", {}).get(b))
+    Console().print(t)
+    if costs.peak_gflops:
+        Console().print(f"matmul peak {costs.peak_gflops:.0f} GFLOPS, read bandwidth {costs.bandwidth_gbs:.1f} GB/s; "
+                        "floor = max(bytes read / bandwidth, flops / peak)")
+    for note in costs.notes:
+        err.print(f"[yellow]note:[/] {note}")

@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--peer-draft", default=None,
                    help="a small autoregressive model (HF folder, same tokenizer) for mlx-lm's speculative mode")
     b.add_argument("--floor", action="store_true", help="measure memory bandwidth and report the decode-step floor")
+    b.add_argument("--costs", action="store_true",
+                   help="only the cost probe: decode step, verify of k tokens, draft block, machine peak and bandwidth")
     b.add_argument("--blocks", default=None,
                    help="comma-separated block settings compared in one run, e.g. 16,8,4,auto")
     b.add_argument("--trace", help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every run here")

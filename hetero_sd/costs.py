@@ -1,0 +1,218 @@
+"""The cost probe (issue 12): what one decode step, one verify of k tokens and one draft block cost on
+this machine, in this process, with these weights. A speculative step pays off only when
+verify(k) + draft(b) is small next to tau * decode, so the scheduler's block policy reads these numbers,
+and `hetero-sd bench --costs` prints them against the compute/bandwidth floor of each call.
+
+Every figure is a median over `repeats` timed calls after one untimed warm-up call, on top of a context of
+~`context` positions (filled with a fixed token pattern when the caches hold less). The backends' caches
+are cropped back to where they were afterwards."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from backends.base import DraftBackend, TargetBackend
+
+
+@dataclass
+class Costs:
+    decode_s: float                 # one autoregressive step: target forward of 1 token (last_only logits)
+    verify_s: dict[int, float]      # k -> target forward of k tokens on top of the context (all logits + features)
+    draft_s: dict[int, float]       # block size b -> one draft propose of size b (after add_context)
+    peak_gflops: float | None = None
+    bandwidth_gbs: float | None = None
+    cpu: str = ""                   # lscpu model name + capability
+    dtype: str = ""
+    context: int = 0                # positions in the caches while measuring
+    threads: int = 0                # torch intra-op threads
+    floors_s: dict = field(default_factory=dict)  # {"decode": s, "verify": {k: s}, "draft": {b: s}} (machine=True)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verify_s"] = {str(k): v for k, v in self.verify_s.items()}
+        d["draft_s"] = {str(b): v for b, v in self.draft_s.items()}
+        if self.floors_s:
+            d["floors_s"] = {"decode": self.floors_s["decode"],
+                             "verify": {str(k): v for k, v in self.floors_s["verify"].items()},
+                             "draft": {str(b): v for b, v in self.floors_s["draft"].items()}}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Costs":
+        d = dict(d.get("costs", d))  # a whole bench JSON or its `costs` object
+        d["verify_s"] = {int(k): float(v) for k, v in d["verify_s"].items()}
+        d["draft_s"] = {int(b): float(v) for b, v in d.get("draft_s", {}).items()}
+        if d.get("floors_s"):
+            f = d["floors_s"]
+            d["floors_s"] = {"decode": f["decode"], "verify": {int(k): v for k, v in f["verify"].items()},
+                             "draft": {int(b): v for b, v in f["draft"].items()}}
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def ratios(self) -> dict:
+        """Each cost as a multiple of the decode step: what the block policy compares against tau."""
+        return {"verify": {k: v / self.decode_s for k, v in self.verify_s.items()},
+                "draft": {b: v / self.decode_s for b, v in self.draft_s.items()}}
+
+
+def cpu_name() -> str:
+    """lscpu's model name and torch's CPU capability: every figure states the CPU it came from."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    extras = sorted(cpu_flags() & NOTABLE_FLAGS)
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}{'; ' + ', '.join(extras) if extras else ''})"
+
+
+# The flags that decide which kernels and dtypes pay on a CPU (bf16 needs avx512_bf16 or amx_bf16 natively).
+NOTABLE_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up: caches, lazily built tables, allocator
+    sync()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+FILL_TOKENS = (504, 2056, 314, 1431, 288, 3012, 30, 216)  # any in-vocabulary ids: only the shapes matter
+
+
+def fill_ids(n: int, vocab: int) -> list[int]:
+    return [FILL_TOKENS[i % len(FILL_TOKENS)] % vocab for i in range(n)]
+
+
+def fill_context(target: TargetBackend, draft: DraftBackend | None, context: int) -> None:
+    """Bring both caches to ~`context` positions (the draft's context features come from the target)."""
+    need = context - target.length
+    if need <= 0:
+        return
+    out = target.forward(fill_ids(need, target.config.vocab_size), last_only=True, features=draft is not None)
+    if draft is not None and out.features is not None:
+        draft.crop(target.length - need)
+        draft.add_context(out.features)
+
+
+def measure_costs(target: TargetBackend, draft: DraftBackend | None, *, context: int = 512,
+                  ks=(1, 2, 4, 8, 16), blocks=(4, 8, 16), repeats: int = 5, machine: bool = False) -> Costs:
+    """Median seconds of a decode step, a verify of k tokens and a draft block of size b (see module doc).
+    machine=True also measures the matmul peak and read bandwidth and computes each call's floor."""
+    target_at = target.length
+    draft_at = draft.context_length if draft is not None else 0
+    try:
+        fill_context(target, draft, context)
+        base = target.length
+        costs = Costs(decode_s=0.0, verify_s={}, draft_s={}, cpu=cpu_name(), dtype=backend_dtype(target),
+                      context=base, threads=torch.get_num_threads())
+        vocab = target.config.vocab_size
+        costs.decode_s = median_time(lambda: step(target, base, fill_ids(1, vocab), features=False),
+                                     repeats, target.synchronize)
+        for k in ks:
+            ids = fill_ids(k, vocab)
+            costs.verify_s[k] = median_time(lambda: step(target, base, ids, features=True), repeats, target.synchronize)
+        if draft is not None:
+            for b in blocks:
+                if b > draft.block_size:
+                    costs.notes.append(f"draft block {b} skipped: the draft's block size is {draft.block_size}")
+                    continue
+                costs.draft_s[b] = median_time(lambda: draft.propose(fill_ids(1, vocab)[0], size=b), repeats,
+                                               draft.synchronize)
+    finally:
+        target.crop(target_at)
+        if draft is not None:
+            draft.crop(draft_at)
+    if machine:
+        add_machine(costs, target, draft)
+    return costs
+
+
+def step(target: TargetBackend, base: int, ids: list[int], features: bool):
+    out = target.forward(ids, features=features)
+    target.crop(base)
+    return out
+
+
+def backend_dtype(backend) -> str:
+    dtype = getattr(backend, "dtype", None)
+    mode = getattr(backend, "mode", None)  # a named numerics mode (e.g. bf16 weights), where the backend has one
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "unknown"
+    return f"{name} ({mode})" if mode and mode != name else name
+
+
+def peak_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
+    """The practical matmul peak: best of a few n^3 products with the process's threads."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = min(timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def add_machine(costs: Costs, target, draft) -> None:
+    """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak)."""
+    from .floor import read_bandwidth_gb_s
+
+    dtype = getattr(target, "dtype", torch.float32)
+    costs.peak_gflops = peak_gflops(dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32)
+    costs.bandwidth_gbs = read_bandwidth_gb_s()
+    if not hasattr(target, "blocks"):
+        costs.notes.append("floors need a torch target (its weight sizes); none computed")
+        return
+    bw, peak = costs.bandwidth_gbs * 1e9, costs.peak_gflops * 1e9
+    t_bytes, t_params, kv = model_sizes(target)
+
+    def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int) -> float:
+        return max((weight_bytes + kv_bytes) / bw, 2 * rows * params / peak)
+
+    costs.floors_s = {"decode": floor(1, t_bytes, t_params, kv * costs.context),
+                      "verify": {k: floor(k, t_bytes, t_params, kv * costs.context) for k in costs.verify_s},
+                      "draft": {}}
+    if draft is not None and hasattr(draft, "blocks"):
+        d_bytes, d_params, d_kv = model_sizes(draft)
+        costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context) for b in costs.draft_s}
+
+
+def model_sizes(backend) -> tuple[int, int, int]:
+    """(weight bytes read per forward, matmul parameters per row, KV bytes per cached position)."""
+    mats = [backend.lm_head]
+    for block in backend.blocks:
+        mats += [block.wqkv, block.wo, block.w_gate_up, block.w_down]
+    params = sum(m.numel() for m in mats)
+    nbytes = sum(m.numel() * m.element_size() for m in mats)
+    cache = backend.cache
+    kv = 2 * cache.num_layers * cache.shape[1] * cache.shape[3] * cache.k[0].element_size()
+    return nbytes, params, kv

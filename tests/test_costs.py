@@ -1,0 +1,30 @@
+"""The cost probe: its shape, its JSON and that it leaves the caches as it found them (no timings checked)."""
+
+from __future__ import annotations
+
+import json
+
+from hetero_sd.costs import Costs, measure_costs
+from hetero_sd.runtime import load
+
+
+def test_costs_shape_json_and_caches(tiny_llama, tiny_draft):
+    rt = load(str(tiny_llama), str(tiny_draft))
+    rt.target.forward([5, 6, 7])
+    rt.draft.add_context(rt.target.forward([8]).features)
+    before = (rt.target.length, rt.draft.context_length)
+    costs = measure_costs(rt.target, rt.draft, context=32, ks=(1, 4), blocks=(4, 8), repeats=2, machine=True)
+    assert (rt.target.length, rt.draft.context_length) == before
+    assert costs.decode_s > 0 and set(costs.verify_s) == {1, 4} and set(costs.draft_s) == {4}
+    assert any("block 8 skipped" in n for n in costs.notes)  # the tiny draft's block size is 6
+    assert costs.peak_gflops > 0 and costs.bandwidth_gbs > 0 and costs.context == 32
+    assert costs.floors_s["verify"][4] > 0 and costs.floors_s["draft"][4] > 0
+    doc = json.loads(json.dumps({"costs": costs.to_json()}))
+    assert set(doc["costs"]["verify_s"]) == {"1", "4"}
+    assert Costs.from_json(doc) == costs and Costs.from_json(doc["costs"]) == costs
+
+
+def test_costs_without_draft(tiny_llama):
+    rt = load(str(tiny_llama), None)
+    costs = measure_costs(rt.target, None, context=16, ks=(2,), repeats=1)
+    assert rt.target.length == 0 and costs.draft_s == {} and costs.peak_gflops is None
