@@ -196,14 +196,21 @@ class Runtime:
         if block == "fixed":
             return None
         if block == "auto":
-            if self.memory is None:
-                raise ConfigError("this runtime was loaded without step costs, which block='auto' needs",
-                                  "load it with block_size='auto' (the default)")
-            return AutoBlock(self.draft.block_size, self.memory, prompt_ids)
+            return AutoBlock(self.draft.block_size, self.controller_memory(), prompt_ids)
         if isinstance(block, int) and not isinstance(block, bool) and 2 <= block <= self.draft.block_size:
             return FixedBlock(block)
         raise ConfigError(f"block {block!r} is not a block size this draft can fill",
                           f"use 'auto', 'fixed' or a size from 2 to {self.draft.block_size}")
+
+    def controller_memory(self) -> Memory:
+        """The controller's memory; a runtime loaded with a fixed block measures its costs on first use."""
+        if self.memory is None:
+            if "cost_key" not in self.info:
+                raise ConfigError("this runtime has no step costs for block='auto' (its draft was set by hand)",
+                                  "load it with hetero_sd.load(..., block_size='auto')")
+            self.memory = Memory(costs_for(self.target, self.draft, self.info["cost_key"], self.notes),
+                                 self.draft.block_size)
+        return self.memory
 
     def lanes(self, timeline: Timeline, request: int = 0) -> Lanes:
         return Lanes(self.target_lane, self.draft_lane, timeline, request)
@@ -349,12 +356,12 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
-    memory = None
-    if block == "auto":
-        key = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
-                       str(getattr(t, "dtype", "mlx")), d.block_size)
-        memory = Memory(costs_for(t, d, key, info["notes"]), d.block_size)
-    return Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block, memory)
+    info["cost_key"] = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
+                                str(getattr(t, "dtype", "mlx")), d.block_size)
+    rt = Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
+    if block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
+        rt.controller_memory()
+    return rt
 
 
 def fixed_block_size(block_size) -> int:
