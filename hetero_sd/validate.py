@@ -13,10 +13,15 @@ from pathlib import Path
 from .errors import InvalidArgumentError, OutputPathError
 
 RULES = ("match", "rejection")  # sampling.RULES, repeated so that checking needs no torch
+FIXES = {"top_k": "use 0 to keep every token, or a count such as 50",
+         "seed": "pass a seed >= 0, or none for a random one",
+         "threads": "pass 1 or more threads (or leave it unset)",
+         "limit": "pass 1 or more prompts (or leave it unset: all of them)"}
 
 
 def integer(name: str, value, minimum: int, fix: str | None = None) -> int:
     """An int (not a bool, not a float that happens to be whole) >= minimum."""
+    fix = fix or FIXES.get(name)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(f"{name} must be an integer, got {value!r} ({type(value).__name__})",
                                    fix or f"pass a whole number >= {minimum}")
@@ -55,9 +60,9 @@ def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=No
     integer("max_new_tokens", max_new_tokens, 0)
     temperature_value(temperature)
     top_p_value(top_p)
-    integer("top_k", top_k, 0, "use 0 to keep every token, or a count such as 50")
+    integer("top_k", top_k, 0)
     if seed is not None:
-        integer("seed", seed, 0, "pass a seed >= 0, or none for a random one")
+        integer("seed", seed, 0)
     if rule not in RULES:
         raise InvalidArgumentError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
     if not isinstance(speculative, bool):
@@ -66,11 +71,11 @@ def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=No
 
 
 def threads(value) -> int | None:
-    return None if value is None else integer("threads", value, 1, "pass 1 or more threads (or leave it unset)")
+    return None if value is None else integer("threads", value, 1)
 
 
 def limit(value) -> int | None:
-    return None if value is None else integer("limit", value, 1, "pass 1 or more prompts (or leave it unset: all)")
+    return None if value is None else integer("limit", value, 1)
 
 
 def text(value: str, what: str = "the prompt") -> str:
@@ -144,8 +149,8 @@ def block_size(value, draft_size: int):
         raise InvalidArgumentError(f"block size must be an integer or 'adaptive', got {value!r}",
                                    f"pass a size from 2 to {draft_size}, or 'adaptive'")
     if not 2 <= value <= draft_size:
-        raise InvalidArgumentError(f"block size {value} is outside what this draft fills (2 to {draft_size}: "
-                                   "it was trained with blocks of that size)",
+        raise InvalidArgumentError(f"block size {value} is outside what this draft fills (2 to its own "
+                                   f"block size, {draft_size})",
                                    f"pass a block size from 2 to {draft_size}")
     return int(value)
 
