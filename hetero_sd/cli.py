@@ -323,5 +323,7 @@ def is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m: run the imported module, whose state bench_cmd shares (SIGTERM)
+    from hetero_sd import cli
+
+    sys.exit(cli.main())
