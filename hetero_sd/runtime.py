@@ -156,6 +156,7 @@ class Runtime:
         schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "fixed",
         "adaptive" or a size up to the draft's), timeline=None (record into this one)."""
         self.check_open()
+        prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat)
         return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
@@ -219,6 +220,7 @@ class Runtime:
                  **kwargs) -> Generation:
         """Generate to the end; keyword arguments as for `stream`."""
         self.check_open()
+        prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat)
         return self.collect(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
@@ -267,6 +269,7 @@ class Runtime:
         All generations share one timeline (stats.timeline) with a request number each."""
         self.check_open()
         validate.sampling(**{k: v for k, v in kwargs.items() if k in SAMPLING_KEYS})
+        prompts = [validate.prompt(p) for p in prompts]
         encoded = [self.encode(p, chat) for p in prompts]
         timeline = Timeline()
         jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, None), request=n)
