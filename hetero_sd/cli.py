@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="no chat template: the prompt is raw text")
     g.add_argument("--autoregressive", action="store_true", help="decode without the draft")
     g.add_argument("--json", help="write the generation and its stats to this file")
-    g.add_argument("--schedule", default="sequential", choices=["sequential", "overlap"])
+    g.add_argument("--schedule", default="sequential", help="sequential or overlap")
     g.add_argument("--trace", help="write a Chrome trace of the generation here")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
@@ -115,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="a terminal chat app that shows speculative decoding at work")
     add_model_args(c, "default")
-    c.add_argument("--schedule", default="sequential", choices=["sequential", "overlap"])
+    c.add_argument("--schedule", default="sequential", help="sequential or overlap")
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--save-dir", default=".", help="folder for transcripts saved with ctrl+s (default: here)")
@@ -169,11 +169,21 @@ def check_args(args) -> None:
                 raise InvalidArgumentError("the prompt is empty", "pass the text to answer, e.g. hetero-sd generate \"Hi\"")
     except InvalidArgumentError as e:
         raise InvalidArgumentError(flagged(e.problem), flagged(e.fix)) from None
+    if args.command in ("generate", "chat"):
+        one_request_schedule(args.schedule)
     for flag in ("json", "trace"):
         if getattr(args, flag, None):
             validate.output_file(getattr(args, flag), f"--{flag}")
     if getattr(args, "save_dir", None) and not Path(args.save_dir).expanduser().is_dir():
         raise OutputPathError(f"--save-dir {args.save_dir} is not a folder", "create it first, or pass another folder")
+
+
+def one_request_schedule(schedule: str) -> None:
+    from .runtime import check_schedule
+
+    if check_schedule(schedule) == "pipeline":
+        raise InvalidArgumentError("the pipeline schedule needs two requests at once; this command runs one",
+                                   "use --schedule sequential or overlap (pipeline: hetero-sd bench --schedule pipeline)")
 
 
 def flagged(text: str) -> str:

@@ -474,11 +474,12 @@ def compiled_package(reference, dfolder) -> Path:
 
     from ane_compiler.compile import convert
 
-    from .home import home
+    from .home import home, writable_home
 
     key = hashlib.sha1(str(Path(dfolder or "random").resolve()).encode()).hexdigest()[:12]
     package = home() / "compiled" / f"draft-{key}-b{reference.block_size}.mlpackage"
     if not package.exists():
+        writable_home("compiling the draft for Core ML")
         package.parent.mkdir(parents=True, exist_ok=True)
         convert(reference, package)
     return package

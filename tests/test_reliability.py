@@ -221,6 +221,8 @@ def prompts_file(folder, text: str | bytes, name: str = "p.jsonl"):
     (["--threads", "-1"], "--threads must be >= 1, got -1"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--block-size", "1"], "--block-size 1 leaves no room for drafts"),
+    (["--schedule", "fast"], "unknown schedule 'fast'"),
+    (["--schedule", "pipeline"], "the pipeline schedule needs two requests at once"),
     (["--json", "/nonexistent/dir/out.json"], "the folder /nonexistent/dir does not exist"),
     (["--trace", "/nonexistent/dir/t.json"], "the folder /nonexistent/dir does not exist"),
 ])
