@@ -468,7 +468,12 @@ def test_two_first_runs_on_an_empty_home_convert_once(tmp_path):
     assert not stale.exists()
 
 
-def test_a_failed_conversion_leaves_no_temp_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure,expected,message", [
+    (ValueError("GGUF model with architecture mamba is not supported yet"), "ConfigError",
+     "cannot convert .* architecture mamba is not supported"),
+    (KeyboardInterrupt(), "KeyboardInterrupt", None),  # Ctrl-C mid-conversion
+])
+def test_a_failed_conversion_leaves_no_temp_folder(tmp_path, monkeypatch, failure, expected, message):
     import hetero_sd.default_model as dm
     from hetero_sd.errors import ConfigError
 
@@ -476,10 +481,36 @@ def test_a_failed_conversion_leaves_no_temp_folder(tmp_path, monkeypatch):
 
     def broken(gguf, tmp, console):
         (tmp / "model.safetensors").write_text("half")
-        raise ValueError("GGUF model with architecture mamba is not supported yet")
+        raise failure
 
     monkeypatch.setattr(dm, "write_converted", broken)
     gguf = prompts_file(tmp_path, b"GGUF" + bytes(16), "m.gguf")
-    with pytest.raises(ConfigError, match="cannot convert .* architecture mamba is not supported"):
+    with pytest.raises({"ConfigError": ConfigError, "KeyboardInterrupt": KeyboardInterrupt}[expected], match=message):
         dm.ensure_converted(gguf, tmp_path / "models" / "M")
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["M.lock"]
+
+
+def test_chat_settings_refuse_a_temperature_that_is_not_finite(tiny_llama):
+    import asyncio
+
+    from textual.widgets import Input
+
+    from tui import ChatApp
+
+    app = ChatApp({"target": str(tiny_llama), "draft": None})
+
+    async def scenario():
+        async with app.run_test(size=(80, 24)) as pilot:
+            while app.query_one("#prompt").disabled:
+                await pilot.pause(0.1)
+            for bad in ("nan", "-1", "warm"):
+                await pilot.press("ctrl+o")
+                await pilot.pause(0.2)
+                app.screen.query_one("#temperature", Input).value = bad
+                await pilot.click("#apply")
+                await pilot.pause(0.2)
+                assert app.settings["temperature"] == 0.0  # refused: the dialog stays open
+                await pilot.press("escape")
+                await pilot.pause(0.1)
+
+    asyncio.run(scenario())
