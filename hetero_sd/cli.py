@@ -308,7 +308,8 @@ CHECKED = ("generate", "bench", "chat")  # train-draft checks its own arguments
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if is_main_thread() else None
+    # generate and bench keep what finished on SIGTERM; the chat app's event loop keeps the default
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if args.command in CHECKED[:2] and is_main_thread() else None
     STATE["terminated"] = False
     try:
         if args.command in CHECKED:
