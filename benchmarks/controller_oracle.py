@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import hetero_sd  # noqa: E402
 from hetero_sd.bench import machine  # noqa: E402
 from hetero_sd.prompts import load_prompts  # noqa: E402
-from tests.doubles import OracleDraft  # noqa: E402
+from tests.doubles import OracleDraft, with_draft  # noqa: E402
 
 SETTINGS = ("plain", 16, 8, 4, "auto")
 
@@ -43,8 +43,9 @@ def run_prompt(rt, prompt: str, max_new: int, stretch: int) -> dict:
     right = stretches(len(base.prompt_ids) + stretch, stretch)
     out = {"plain": {"tokens": len(base.token_ids), "seconds": base.stats.total_s}}
     for setting in SETTINGS[1:]:
-        rt.draft = OracleDraft(truth, 16, rt.target.config.vocab_size, right=right)
-        g = rt.generate(prompt, max_new_tokens=max_new, block=setting)
+        oracle = OracleDraft(truth, 16, rt.target.config.vocab_size, right=right)
+        g = with_draft(rt, oracle, "sequential", "auto", rt.memory).generate(prompt, max_new_tokens=max_new,
+                                                                           block=setting)
         out[str(setting)] = {"tokens": len(g.token_ids), "seconds": g.stats.total_s, "tau": g.stats.tau,
                              "lossless": g.token_ids == base.token_ids,
                              "block_size_histogram": g.stats.block_size_histogram,

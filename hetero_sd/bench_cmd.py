@@ -2,20 +2,23 @@
 
 One invocation runs a matrix: every placement (target device / draft device) x every temperature is a
 full baseline-vs-DFlash run on the same prompts (bench.run_bench); the peers and the floor run once,
-after the first greedy run. A progress bar follows the prompts. The JSON is rewritten after every
-finished run, and Ctrl-C stops the matrix there: the prompts that finished stay in the JSON, marked
-`"interrupted": true`, and the exit status is 130."""
+after the first greedy run. A progress bar follows the prompts. The JSON is replaced atomically after
+every finished prompt (the run in progress under "in_progress") and every finished run, so a kill
+loses at most the prompt in flight. Ctrl-C or SIGTERM stops the matrix there: the prompts that
+finished stay in the JSON, marked `"interrupted": true`, and the exit status is 130 (143 for SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .cli import block_arg, err, load_runtime, write_json
-from .errors import HeteroSDError
+from . import validate
+from .cli import block_arg, err, interrupted_status, load_runtime, write_json
+from .errors import HeteroSDError, OutputPathError
 
 
 def placements(args) -> list[tuple[str, str | None]]:
@@ -45,26 +48,47 @@ def label(res: dict) -> str:
 
 
 class Saver:
-    """Writes what has finished, after every run: a one-run bench as its result, a matrix as
-    {"runs": [...], "matrix": [...], "interrupted": ...}."""
+    """Writes what has finished, as it finishes: a one-run bench as its result, a matrix (or a run not
+    finished yet) as {"runs": [...], "matrix": [...], "interrupted": ..., "in_progress": {...}}, where
+    in_progress holds the finished prompt rows of the run under way."""
 
     def __init__(self, path: str | None, planned: int):
         self.path, self.planned, self.runs, self.interrupted = path, planned, [], False
+        self.current: dict | None = None
+        self.failed: OutputPathError | None = None
+
+    def start(self, rt, temperature: float) -> None:
+        self.current = {"models": rt.info, "settings": {"temperature": temperature}, "prompts": []}
+
+    def prompt_done(self, row: dict) -> None:
+        self.current["prompts"].append({k: v for k, v in row.items() if k != "baseline_ids"})
+        self.save(quiet=True)
 
     def add(self, res: dict) -> None:
         self.runs.append(res)
+        self.current = None
         self.save()
 
     def document(self) -> dict:
-        if self.planned == 1:
+        if self.planned == 1 and self.runs:
             return self.runs[0]
-        return {"machine": self.runs[0]["machine"], "command": self.runs[0]["command"],
-                "interrupted": self.interrupted, "planned_runs": self.planned, "runs": self.runs,
-                "matrix": [matrix_row(r) for r in self.runs]}
+        from .bench import machine
 
-    def save(self) -> None:
-        if self.path and self.runs:
-            write_json(self.path, self.document())
+        doc = {"machine": self.runs[0]["machine"] if self.runs else machine(), "command": " ".join(sys.argv),
+               "interrupted": self.interrupted, "planned_runs": self.planned, "runs": self.runs,
+               "matrix": [matrix_row(r) for r in self.runs]}
+        return doc | ({"in_progress": self.current} if self.current else {})
+
+    def save(self, quiet: bool = False) -> None:
+        """A file that cannot be written any more (disk full, folder removed) is reported once; the
+        bench goes on and its tables are still printed."""
+        if not self.path or (not self.runs and not self.current) or self.failed:
+            return
+        try:
+            write_json(self.path, self.document(), quiet=quiet)
+        except OutputPathError as e:
+            self.failed = e
+            err.print(f"[bold red]error:[/] {e.problem}\n[bold]fix:[/] {e.fix}", highlight=False)
 
 
 def matrix_row(res: dict) -> dict:
@@ -86,8 +110,10 @@ def run(args) -> int:
     from .bench import run_bench
     from .prompts import load_prompts
 
+    from .runtime import check_schedule
+
     prompts = load_prompts(args.prompts, args.dataset, args.limit)
-    schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
+    schedules = [check_schedule(s.strip()) for s in args.schedule.split(",") if s.strip()]
     blocks = [block_arg(b.strip()) for b in args.blocks.split(",")] if args.blocks else (None,)
     where, temps = placements(args), args.temperature
     saver, timelines, peers_done = Saver(args.json, len(where) * len(temps)), [], False
@@ -96,11 +122,13 @@ def run(args) -> int:
         try:
             for target_device, draft_device in where:
                 rt = load_runtime(args, schedules, target_device, draft_device)
+                check_blocks(blocks, rt)
                 for note in rt.notes:
                     progress.console.print(f"[yellow]note:[/] {note}")
                 for temperature in temps:
+                    saver.start(rt, temperature)
                     tick = ticker(progress, task, len(prompts), f"{rt.info['target_device']}/{rt.info['draft_device']} "
-                                                                f"T={temperature:g}")
+                                                                f"T={temperature:g}", saver)
                     res = run_bench(rt, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
                                     rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
                                     progress=tick)
@@ -123,13 +151,23 @@ def run(args) -> int:
         write_json(args.trace, chrome_trace(timelines))
     if saver.interrupted:
         err.print(f"[yellow]interrupted:[/] {sum(len(r['prompts']) for r in saver.runs)} finished prompt rows "
-                  + (f"kept in {args.json}" if args.json else "shown above (pass --json to keep them)"))
-        return 130
-    return 0
+                  + (f"kept in {args.json}" if args.json and not saver.failed else
+                     "shown above (pass --json to keep them)"))
+        return interrupted_status()
+    return 2 if saver.failed else 0
 
 
-def ticker(progress: Progress, task, total: int, where: str):
+def check_blocks(blocks, rt) -> None:
+    """--blocks against the loaded draft, before the first prompt runs."""
+    if rt.draft is not None:
+        for b in blocks:
+            if b is not None:
+                validate.block(b, rt.draft.block_size)
+
+
+def ticker(progress: Progress, task, total: int, where: str, saver: Saver):
     def tick(r: dict) -> None:
+        saver.prompt_done(r)
         progress.advance(task)
         if "tau" in r:
             progress.update(task, description=f"{where}: prompt {r['index'] + 1}/{total}, tau {r['tau']:.2f}")

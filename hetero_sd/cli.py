@@ -4,15 +4,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from .errors import HeteroSDError
+from . import validate
+from .errors import HeteroSDError, InvalidArgumentError, OutputPathError
 from .timeline import chrome_trace
 
 err = Console(stderr=True, soft_wrap=True)
+FLAGS = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p", "top_k": "--top-k", "temperature": "--temperature",
+         "seed": "--seed", "threads": "--threads", "limit": "--limit"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, CI runners and `kill` send), handled exactly like Ctrl-C: what finished
+    is kept and written, then the exit status is 143 (Ctrl-C: 130)."""
+
+
+def on_sigterm(signum, frame):
+    STATE["terminated"] = True
+    raise Terminated()
+
+
+def interrupted_status(e: BaseException | None = None) -> int:
+    return 143 if isinstance(e, Terminated) or STATE["terminated"] else 130
+
+
+STATE = {"terminated": False}  # set when SIGTERM arrived, for code that caught the interrupt on the way
 
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
@@ -97,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule", default="sequential", help="sequential or overlap")
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--max-new-tokens", type=int, default=512)
+    c.add_argument("--save-dir", default=".", help="folder for transcripts saved with ctrl+s (default: here)")
 
     a = sub.add_parser("compile-ane", help="convert a DFlash draft into an fp16 Core ML package for the Neural Engine")
     a.add_argument("--target", default="default")
@@ -127,14 +151,62 @@ def sampling(args) -> dict:
                 top_k=args.top_k, seed=args.seed, rule=args.rule)
 
 
+def check_args(args) -> None:
+    """What was typed, checked by the shared rules (validate.py) before any model is loaded; messages
+    name the command-line flags."""
+    try:
+        for name in ("max_new_tokens", "top_k", "seed", "threads", "limit"):
+            if getattr(args, name, None) is not None:
+                validate.integer(name, getattr(args, name), 1 if name in ("threads", "limit") else 0)
+        for t in args.temperature if isinstance(args.temperature, list) else [args.temperature]:
+            validate.temperature_value(t)
+        if hasattr(args, "top_p"):
+            validate.top_p_value(args.top_p)
+        if isinstance(args.block_size, int) and args.block_size < 2:
+            raise InvalidArgumentError(f"--block-size {args.block_size} leaves no room for drafts",
+                                       "use a block size >= 2 (up to the draft's own), or 'auto'")
+        if hasattr(args, "prompt"):
+            validate.text(args.prompt)
+            if not args.prompt:
+                raise InvalidArgumentError("the prompt is empty", "pass the text to answer, e.g. hetero-sd generate \"Hi\"")
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(flagged(e.problem), flagged(e.fix)) from None
+    if args.command in ("generate", "chat"):
+        one_request_schedule(args.schedule)
+    for flag in ("json", "trace"):
+        if getattr(args, flag, None):
+            validate.output_file(getattr(args, flag), f"--{flag}")
+    if getattr(args, "save_dir", None) and not Path(args.save_dir).expanduser().is_dir():
+        raise OutputPathError(f"--save-dir {args.save_dir} is not a folder", "create it first, or pass another folder")
+
+
+def one_request_schedule(schedule: str) -> None:
+    from .runtime import check_schedule
+
+    if check_schedule(schedule) == "pipeline":
+        raise InvalidArgumentError("the pipeline schedule needs two requests at once; this command runs one",
+                                   "use --schedule sequential or overlap (pipeline: hetero-sd bench --schedule pipeline)")
+
+
+def flagged(text: str) -> str:
+    name = text.split(" ", 1)[0]
+    return FLAGS[name] + text[len(name):] if name in FLAGS else text
+
+
 def cmd_generate(args) -> None:
     rt = load_runtime(args, [args.schedule])
     stats, ids = None, []
-    for event in rt.stream(args.prompt, chat=not args.no_chat, speculative=not args.autoregressive,
-                           schedule=args.schedule, **sampling(args)):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-        stats, ids = event.stats, ids + event.token_ids
+    try:
+        for event in rt.stream(args.prompt, chat=not args.no_chat, speculative=not args.autoregressive,
+                               schedule=args.schedule, **sampling(args)):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            stats, ids = event.stats, ids + event.token_ids
+    except KeyboardInterrupt:  # keep what was generated: it is on the screen, and in --json if asked
+        sys.stdout.write("\n")
+        if args.json and stats is not None:
+            write_generation(args.json, rt, ids, stats, interrupted=True)
+        raise
     sys.stdout.write("\n")
     for note in stats.notes:
         err.print(f"[yellow]note:[/] {note}")
@@ -143,8 +215,13 @@ def cmd_generate(args) -> None:
     if args.trace:
         write_json(args.trace, chrome_trace([("generate", stats.timeline)]))
     if args.json:
-        write_json(args.json, {"token_ids": ids, "text": rt.tokenizer.decode(ids, skip_special_tokens=True),
-                               "stats": stats.to_dict(), "models": rt.info})
+        write_generation(args.json, rt, ids, stats)
+
+
+def write_generation(path: str, rt, ids: list[int], stats, interrupted: bool = False) -> None:
+    doc = {"token_ids": ids, "text": rt.tokenizer.decode(ids, skip_special_tokens=True), "stats": stats.to_dict(),
+           "models": rt.info}
+    write_json(path, doc | ({"interrupted": True} if interrupted else {}))
 
 
 def mode_summary(stats) -> str:
@@ -161,13 +238,15 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
-def cmd_chat(args) -> None:
+def cmd_chat(args) -> int:
     from tui import ChatApp
 
     kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
                   block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads)
-    ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens).run()
+    app = ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens, save_dir=args.save_dir)
+    app.run()
+    return app.return_code or 0  # Textual sets 1 when the app failed
 
 
 def cmd_compile_ane(args) -> None:
@@ -207,13 +286,23 @@ def cmd_fetch(args) -> None:
         print(default_target_folder())
     else:
         from .sources import hub_snapshot
-        print(hub_snapshot(args.model, "model", download=True))
+        print(hub_snapshot(args.model, "model", download=True, fetching=True))
 
 
-def write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-    err.print(f"[dim]wrote {path}[/]")
+def write_json(path: str, data: dict, quiet: bool = False) -> None:
+    """Atomically: a reader (or a kill mid-write) sees the previous complete file or the new one."""
+    target = Path(path).expanduser()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+        os.replace(tmp, target)
+    except OSError as e:
+        raise OutputPathError(f"cannot write {target} ({e.strerror})",
+                              "give a path in a folder you can write to") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        err.print(f"[dim]wrote {target.resolve()}[/]")
 
 
 def cmd_train_draft(args) -> None:
@@ -225,19 +314,38 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "com
             "train-draft": cmd_train_draft}
 
 
+CHECKED = ("generate", "bench", "chat")  # train-draft checks its own arguments
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # generate and bench keep what finished on SIGTERM; the chat app's event loop keeps the default
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if args.command in CHECKED[:2] and is_main_thread() else None
+    STATE["terminated"] = False
     try:
+        if args.command in CHECKED:
+            check_args(args)
         return COMMANDS[args.command](args) or 0
     except HeteroSDError as e:
         if args.debug:
             raise
         err.print(f"[bold red]error:[/] {e.problem}\n[bold]fix:[/] {e.fix}", highlight=False)
         return 2
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/]")
-        return 130
+    except KeyboardInterrupt as e:
+        err.print("[yellow]terminated[/]" if isinstance(e, Terminated) else "[yellow]interrupted[/]")
+        return interrupted_status(e)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":  # python -m: run the imported module, whose state bench_cmd shares (SIGTERM)
+    from hetero_sd import cli
+
+    sys.exit(cli.main())

@@ -10,8 +10,8 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from .errors import ModelNotFoundError
-from .home import home
+from .errors import ConfigError, HomeError, ModelNotFoundError
+from .home import home, writable_home
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 _DONE = ".hetero-sd-complete"
@@ -43,24 +43,99 @@ def gguf_folder(gguf: Path) -> Path:
 
 
 def ensure_converted(gguf: Path, folder: Path) -> Path:
-    if not (folder / _DONE).is_file():
-        convert_gguf(gguf, folder)
+    """The converted folder, converting first if needed. A file lock makes the first conversion happen
+    once however many processes start on an empty home: the others wait, then use it."""
+    from filelock import FileLock, Timeout
+
+    if (folder / _DONE).is_file():
+        return folder
+    check_gguf(gguf)
+    writable_home(f"converting {gguf.name}")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HomeError(f"cannot create {folder.parent} ({e.strerror})",
+                        "set HETERO_SD_HOME to a folder you can write to") from None
+    lock = FileLock(str(folder) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"waiting for another hetero-sd process that is converting {gguf.name} into {folder}")
+        lock.acquire()
+    try:
+        if not (folder / _DONE).is_file():  # not finished by the process we waited for
+            remove_stale(folder)
+            convert_gguf(gguf, folder)
+    finally:
+        lock.release()
     return folder
+
+
+def say(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold]hetero-sd[/]: {text}", highlight=False)
+
+
+def check_gguf(gguf: Path) -> None:
+    """A .gguf that is not one (a download error page, a truncated copy) is named before conversion."""
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot read {gguf} ({e.strerror})", "check the path and its permissions") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes)",
+                          "give a real .gguf model file (re-download it), or an HF folder")
+
+
+def remove_stale(folder: Path) -> None:
+    """Temp folders of conversions that were killed (we hold the lock: nobody else is writing them),
+    and an incomplete folder without the completion marker."""
+    for stale in folder.parent.glob(folder.name + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF through transformers (which undoes llama.cpp's Q/K row permutation) and
     write config.json, model.safetensors (float32: dequantized values are exact there) and tokenizer."""
-    import torch
     from rich.console import Console
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     console = Console(stderr=True)
     console.print(f"[bold]hetero-sd[/]: converting {gguf.name} to an HF folder (once) -> {out}")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        write_converted(gguf, tmp, console)
+    except BaseException as e:  # also Ctrl-C: never leave a half-written temp folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception):
+            raise conversion_error(gguf, out, e) from e
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    console.print(f"[bold]hetero-sd[/]: {gguf.name} converted")
+
+
+def conversion_error(gguf: Path, out: Path, e: Exception) -> Exception:
+    if isinstance(e, (ConfigError, ModelNotFoundError, HomeError)):
+        return e
+    if isinstance(e, OSError) and e.filename is not None and str(out.parent) in str(e.filename):
+        return HomeError(f"cannot write the converted model under {out.parent} ({e.strerror})",
+                         "free disk space there, or set HETERO_SD_HOME to another folder")
+    first = str(e).splitlines()[0] if str(e) else ""
+    return ConfigError(f"cannot convert {gguf} ({type(e).__name__}: {first})",
+                       "give a GGUF of a supported architecture (Llama, Qwen2, Qwen3), or an HF folder")
+
+
+def write_converted(gguf: Path, tmp: Path, console) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kwargs = dict(gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
@@ -78,6 +153,3 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(tmp))
     model.generation_config.save_pretrained(str(tmp))
     (tmp / _DONE).write_text(str(gguf))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    console.print(f"[bold]hetero-sd[/]: {gguf.name} converted")

@@ -42,3 +42,19 @@ class PromptTooLongError(HeteroSDError):
 
 class DeviceFailedError(HeteroSDError):
     """A device raised or returned non-finite values where no fallback can finish the job."""
+
+
+class InvalidArgumentError(HeteroSDError, ValueError):
+    """A value the caller passed is of the wrong type or out of range (checked before any model work)."""
+
+
+class OutputPathError(HeteroSDError):
+    """A file we were asked to write cannot be written (checked before the work that fills it)."""
+
+
+class HomeError(HeteroSDError):
+    """hetero-sd's home ($HETERO_SD_HOME or ~/.cache/hetero-sd) cannot be used."""
+
+
+class RuntimeClosedError(HeteroSDError):
+    """The Runtime was closed: its device threads are gone."""

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from .errors import RuntimeClosedError
 from .timeline import Timeline
 
 
@@ -28,7 +29,17 @@ class Lane:
                 return job()
             finally:
                 timeline.record(self.name, label, began, time.perf_counter(), request, step)
-        return self.pool.submit(timed)
+        return self.start(timed)
+
+    def call(self, job: Callable):
+        """Run a job on the lane's thread, unrecorded (set-up work such as allocating a request's caches)."""
+        return self.start(job).result()
+
+    def start(self, job: Callable) -> Future:
+        try:
+            return self.pool.submit(job)
+        except RuntimeError:  # the executor was shut down: Runtime.close()
+            raise RuntimeClosedError("this Runtime was closed", "load a new one (hetero_sd.load) to generate again") from None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from . import validate
 from .errors import ConfigError
 
 BUILTIN = {"chat": "chat.jsonl", "math": "math.jsonl", "summarize": "summarize.jsonl"}
@@ -22,11 +23,10 @@ class Prompt:
 
 
 def load_prompts(path: str | Path | None = None, dataset: str | None = None, limit: int | None = None) -> list[Prompt]:
+    validate.limit(limit)
     if path is not None:
         source = Path(path)
-        if not source.is_file():
-            raise ConfigError(f"prompts file {source} does not exist", "check the path given to --prompts")
-        lines = source.read_text().splitlines()
+        lines = read_lines(source)
     elif dataset and "," in dataset:  # several sets in one run; categories keep them apart
         prompts = [p for name in dataset.split(",") for p in load_prompts(None, name.strip(), limit)]
         return prompts
@@ -45,15 +45,32 @@ def load_prompts(path: str | Path | None = None, dataset: str | None = None, lim
     return prompts[:limit] if limit else prompts
 
 
+def read_lines(source: Path) -> list[str]:
+    if source.is_dir():
+        raise ConfigError(f"prompts file {source} is a directory", "give --prompts a JSONL file inside it")
+    if not source.is_file():
+        raise ConfigError(f"prompts file {source} does not exist", "check the path given to --prompts")
+    try:
+        return source.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompts file {source} is not UTF-8 (byte {e.start})",
+                          "save the file as UTF-8 (e.g. iconv -t utf-8)") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read prompts file {source} ({e.strerror})", "check its permissions") from None
+
+
 def parse_line(line: str, source, n: int) -> Prompt:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}:{n} is not JSON ({e.msg})", "write one JSON object per line") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{source}:{n} is a JSON {type(row).__name__}, not an object",
+                          "write one object per line, e.g. {\"prompt\": \"Hi\"}")
     if isinstance(row.get("prompt"), str):
-        return Prompt(row["prompt"], row.get("category", ""))
+        return Prompt(validate.text(row["prompt"], f"{source}:{n}"), str(row.get("category", "")))
     if isinstance(row.get("turns"), list) and row["turns"]:
-        return Prompt(str(row["turns"][0]), row.get("category", ""))
+        return Prompt(validate.text(str(row["turns"][0]), f"{source}:{n}"), str(row.get("category", "")))
     raise ConfigError(f"{source}:{n} has neither \"prompt\" nor \"turns\"", "give each line a \"prompt\" string")
 
 

@@ -19,7 +19,7 @@ from backends import torch_backend
 from backends.base import DraftBackend, TargetBackend
 from backends.shadow import ShadowedDraft
 
-from . import decoding
+from . import decoding, validate
 from .controller import AutoBlock, FixedBlock, Memory
 from .cost_cache import cost_key, costs_for, source_id
 from .config import ArchConfig, DraftConfig, read_json
@@ -27,10 +27,10 @@ from .default_model import DEFAULT_TARGET
 from .devices import check_device, cpu_bound
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
 from .drift import Drift
-from .errors import ConfigError, DeviceFailedError, PromptTooLongError
+from .errors import ConfigError, DeviceFailedError, ModelNotFoundError, PromptTooLongError, RuntimeClosedError
 from .lanes import Lane, Lanes
 from .pairing import check_pair, feature_layers
-from .sampling import RULES, Sampler, SamplingParams, draft_tokens
+from .sampling import Sampler, SamplingParams, draft_tokens
 from .sources import resolve_folder, resolve_target, source_gguf
 from .stats import Stats
 from .timeline import Timeline
@@ -38,6 +38,7 @@ from .weights import load_weights, take
 
 Prompt = str | Sequence[int] | Sequence[dict]
 SCHEDULES = decoding.SCHEDULES + ("pipeline",)
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "rule", "speculative")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RANDOM_DRAFT_LAYERS = 2
 
@@ -80,7 +81,37 @@ class TextStream:
         return delta
 
 
+class Slots:
+    """Per-request state: a target and a draft, each with its own KV cache over the runtime's shared
+    weights. A generation takes a free pair (or forks a new one) for its whole life and gives it back
+    when it ends, so two generations never share a cache, whether they run in two threads or as two
+    stream iterators consumed in turn. The lanes still run one job at a time per device; requests
+    interleave between jobs, and each one computes exactly what it would compute alone."""
+
+    def __init__(self, target: TargetBackend, draft: DraftBackend | None, target_lane: Lane, draft_lane: Lane):
+        self.target, self.draft, self.target_lane, self.draft_lane = target, draft, target_lane, draft_lane
+        self.free = [(target, draft)]
+        self.lock = threading.Lock()
+
+    def take(self) -> tuple[TargetBackend, DraftBackend | None]:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        # Forks allocate on the device, so they run on its lane (device-affine runtimes need that).
+        target = self.target_lane.call(self.target.fork)
+        draft = None if self.draft is None else self.draft_lane.call(lambda: self.draft.fork(target))
+        return target, draft
+
+    def give(self, pair: tuple) -> None:
+        with self.lock:
+            self.free.append(pair)
+
+
 class Runtime:
+    """A loaded target (and draft). Safe to share: any number of generations may run at once, from
+    threads or as interleaved `stream` iterators; each gets its own caches (Slots) and the device lanes
+    serialise the work, so every output is what that generation would produce alone."""
+
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
                  memory: Memory | None = None):
@@ -90,15 +121,23 @@ class Runtime:
         self.schedule = check_schedule(schedule)
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
+        self.memory_lock = threading.Lock()  # two first requests must not both measure
         self.target_lane = Lane("target", target.device)
         self.draft_lane = Lane("draft", draft.device if draft else target.device)
+        self.slots = Slots(target, draft, self.target_lane, self.draft_lane)
+        self.closed = False
 
     @property
     def block_size(self) -> int:
         return self.draft.block_size if self.draft else 1
 
     def encode(self, prompt: Prompt, chat: bool = True) -> tuple[list[int], list[str]]:
-        """Token ids for a prompt; notes say what was done that the caller might not expect."""
+        """Token ids for a prompt (checked: types, UTF-8, ids in the vocabulary, not empty); notes say
+        what was done that the caller might not expect."""
+        ids, notes = self.tokenize(validate.prompt(prompt), chat)
+        return validate.token_ids(ids, self.target.config.vocab_size), notes
+
+    def tokenize(self, prompt: Prompt, chat: bool) -> tuple[list[int], list[str]]:
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt, add_special_tokens=True), []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
@@ -108,7 +147,7 @@ class Runtime:
                 return self.tokenizer.encode(text), ["the tokenizer has no chat template: prompt used as plain text"]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids), []
-        return [int(t) for t in prompt], []
+        return list(prompt), []
 
     def stream(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                **kwargs) -> Iterator[StreamEvent]:
@@ -118,19 +157,27 @@ class Runtime:
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
         schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "auto",
         "fixed" or a size up to the draft's), timeline=None (record into this one)."""
+        self.check_open()
+        prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat)
         return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def run(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             speculative: bool = True, rule: str = "match", schedule: str | None = None,
-            timeline: Timeline | None = None, request: int = 0, target=None, draft=None,
+            timeline: Timeline | None = None, request: int = 0, draft=None,
             block: str | int | None = None) -> Iterator[StreamEvent]:
-        if rule not in RULES:
-            raise ConfigError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
+        """Everything is checked here, before any model work; the returned iterator takes its own
+        caches (a slot) when first advanced and gives them back when it ends or is closed.
+        draft: another draft over the same target (bench's float32 reference); forked per generation."""
+        self.check_open()
+        validate.sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, rule=rule, speculative=speculative)
         schedule = check_schedule(schedule or self.schedule)
         schedule = "overlap" if schedule == "overlap" else "sequential"  # one request: nothing to pipeline
         use_draft = speculative and self.draft is not None
+        if use_draft:
+            block = validate.block(self.block if block is None else block, self.draft.block_size)
         self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
                       schedule=schedule if use_draft else "sequential",
@@ -138,22 +185,27 @@ class Runtime:
                       timeline=timeline or Timeline(), request=request)
         if schedule == "overlap" and use_draft:
             stats.notes += oversubscription(self.target.device, self.draft.device)
-        lanes = Lanes(self.target_lane, self.draft_lane, stats.timeline, request)
-        req = decoding.Request(target or self.target, (draft or self.draft) if use_draft else None, prompt_ids,
-                               Sampler(SamplingParams(temperature, top_k, top_p), seed),
+        req = decoding.Request(None, None, prompt_ids, Sampler(SamplingParams(temperature, top_k, top_p), seed),
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats),
-                               stats, lanes, rule)
+                               stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
         if use_draft:
-            req.policy = self.block_policy(block or self.block, prompt_ids)
-            if isinstance(req.draft, ShadowedDraft):  # drift of this generation
-                req.draft.meter = stats.drift = Drift(req.draft.device)
-        if not use_draft:
-            steps = decoding.autoregressive(req)
-        elif schedule == "overlap":
-            steps = decoding.overlapped(req)
-        else:
-            steps = decoding.speculative(req)
-        return self.events(steps, stats, req.policy)
+            req.policy = self.block_policy(block, prompt_ids)
+        loop = (decoding.autoregressive if not use_draft else
+                decoding.overlapped if schedule == "overlap" else decoding.speculative)
+        return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
+
+    def in_slot(self, req: decoding.Request, loop, use_draft: bool, draft=None) -> Iterator[decoding.Step]:
+        """Run a decoding loop on caches of its own, taken at its first step and given back at its end."""
+        pair = self.slots.take()
+        try:
+            req.target = pair[0]
+            if use_draft:
+                req.draft = pair[1] if draft is None else self.draft_lane.call(lambda: draft.fork(pair[0]))
+                if isinstance(req.draft, ShadowedDraft):  # drift of this generation
+                    req.draft.meter = req.stats.drift = Drift(req.draft.device)
+            yield from loop(req)
+        finally:
+            self.slots.give(pair)
 
     def events(self, steps, stats: Stats, policy=None) -> Iterator[StreamEvent]:
         text = TextStream(self.tokenizer)
@@ -171,19 +223,27 @@ class Runtime:
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                  **kwargs) -> Generation:
         """Generate to the end; keyword arguments as for `stream`."""
+        self.check_open()
+        prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat)
         return self.collect(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def draft_step(self, prompt_ids: Sequence[int]) -> DraftStep:
         """The first block after prefill (greedy anchor), for experiments on the draft alone."""
+        self.check_open()
         if self.draft is None:
             raise ConfigError("this runtime has no draft", "load it with draft=... to use draft_step")
+        prompt_ids = self.encode(prompt_ids)[0]
         self.check_length(len(prompt_ids), 1, self.block_size)
         stats = Stats(timeline=Timeline())
-        req = decoding.Request(self.target, self.draft, list(prompt_ids), Sampler(SamplingParams()),
-                               decoding.Budget(1, [], stats), stats, self.lanes(stats.timeline))
-        anchor, features = decoding.prefill(req, features=True)
-        logits = decoding.first_block(req, anchor, features)
+        pair = self.slots.take()
+        try:
+            req = decoding.Request(*pair, prompt_ids, Sampler(SamplingParams()),
+                                   decoding.Budget(1, [], stats), stats, self.lanes(stats.timeline))
+            anchor, features = decoding.prefill(req, features=True)
+            logits = decoding.first_block(req, anchor, features)
+        finally:
+            self.slots.give(pair)
         if logits is None:
             raise DeviceFailedError(f"the draft failed on its first block: {stats.fallback}",
                                     "check the draft device (`hetero-sd devices`) and the draft's weights")
@@ -197,20 +257,18 @@ class Runtime:
             return None
         if block == "auto":
             return AutoBlock(self.draft.block_size, self.controller_memory(), prompt_ids)
-        if isinstance(block, int) and not isinstance(block, bool) and 2 <= block <= self.draft.block_size:
-            return FixedBlock(block)
-        raise ConfigError(f"block {block!r} is not a block size this draft can fill",
-                          f"use 'auto', 'fixed' or a size from 2 to {self.draft.block_size}")
+        return FixedBlock(validate.block(block, self.draft.block_size))
 
     def controller_memory(self) -> Memory:
         """The controller's memory; a runtime loaded with a fixed block measures its costs on first use."""
-        if self.memory is None:
-            if "cost_key" not in self.info:
-                raise ConfigError("this runtime has no step costs for block='auto' (its draft was set by hand)",
-                                  "load it with hetero_sd.load(..., block_size='auto')")
-            self.memory = Memory(costs_for(self.target, self.draft, self.info["cost_key"], self.notes),
-                                 self.draft.block_size)
-        return self.memory
+        with self.memory_lock:
+            if self.memory is None:
+                if "cost_key" not in self.info:
+                    raise ConfigError("this runtime has no step costs for block='auto' (its draft was set by hand)",
+                                      "load it with hetero_sd.load(..., block_size='auto')")
+                self.memory = Memory(costs_for(self.target, self.draft, self.info["cost_key"], self.notes),
+                                     self.draft.block_size)
+            return self.memory
 
     def lanes(self, timeline: Timeline, request: int = 0) -> Lanes:
         return Lanes(self.target_lane, self.draft_lane, timeline, request)
@@ -220,6 +278,9 @@ class Runtime:
         """Generate for several prompts. "pipeline" runs two requests at once, so that one drafts on the
         draft device while the other verifies on the target device; others run one after another.
         All generations share one timeline (stats.timeline) with a request number each."""
+        self.check_open()
+        validate.sampling(**{k: v for k, v in kwargs.items() if k in SAMPLING_KEYS})
+        prompts = [validate.prompt(p) for p in prompts]
         encoded = [self.encode(p, chat) for p in prompts]
         timeline = Timeline()
         jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, None), request=n)
@@ -239,9 +300,15 @@ class Runtime:
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
     def close(self) -> None:
-        """Stop the device threads (they also stop at interpreter exit)."""
+        """Stop the device threads (they also stop at interpreter exit). Later calls raise
+        RuntimeClosedError; generations in flight finish the job they are in, then raise it too."""
+        self.closed = True
         self.target_lane.close()
         self.draft_lane.close()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeClosedError("this Runtime was closed", "load a new one (hetero_sd.load) to generate again")
 
     def check_length(self, prompt_len: int, max_new_tokens: int, block: int) -> None:
         need = prompt_len + max_new_tokens + block
@@ -253,28 +320,26 @@ class Runtime:
 
 
 def pipelined(rt: Runtime, jobs: list[dict], timeline: Timeline, kwargs: dict) -> list[Generation]:
-    """Two request threads, each with its own KV caches over the shared weights, take prompts in turn.
-    The lanes serialise each device, so the two requests interleave: A verifies while B drafts."""
+    """Two request threads take prompts in turn; each generation has its own KV caches over the shared
+    weights (Runtime.slots). The lanes serialise each device, so the two requests interleave: A
+    verifies while B drafts."""
     results: list[Generation | None] = [None] * len(jobs)
     queue = list(reversed(jobs))
     lock = threading.Lock()
     errors: list[BaseException] = []
 
-    def worker(target, draft):
+    def worker():
         while not errors:
             with lock:
                 if not queue:
                     return
                 job = queue.pop()
             try:
-                results[job["request"]] = rt.collect(timeline=timeline, schedule="sequential", target=target,
-                                                     draft=draft, **job, **kwargs)
+                results[job["request"]] = rt.collect(timeline=timeline, schedule="sequential", **job, **kwargs)
             except BaseException as e:  # re-raised in the caller's thread
                 errors.append(e)
 
-    second_target = rt.target.fork()
-    pairs = [(rt.target, rt.draft), (second_target, rt.draft.fork(second_target))]
-    threads = [threading.Thread(target=worker, args=pair, name=f"hetero-sd-request-{i}") for i, pair in enumerate(pairs)]
+    threads = [threading.Thread(target=worker, name=f"hetero-sd-request-{i}") for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -324,16 +389,15 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
-    under the model home) and the acceptance seen so far; or a fixed size (smaller or larger than the
-    draft's own), used on every step."""
-    from transformers import AutoTokenizer
-
+    under the model home) and the acceptance seen so far; or a fixed size from 2 to the draft's own,
+    used on every step."""
     target_device = check_device(target_device, "target")
     draft_device = check_device(draft_device or target_device, "draft")
     check_schedule(schedule)
+    validate.threads(cpu_threads)
     folder = resolve_target(target)
     tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(folder)
     info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
             "gguf": source_gguf(target), "notes": []}
     draft = default_draft(draft, target, info["notes"])
@@ -347,9 +411,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if mask is None and "<|MASK|>" in tokenizer.get_vocab():
         mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     mask = check_pair(dcfg, tcfg, mask)
-    block = "auto" if block_size in (None, "auto") else "fixed"
+    block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
     if block == "fixed":
-        dcfg.block_size = fixed_block_size(block_size)
+        dcfg.block_size = int(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context)
     d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
     info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
@@ -364,13 +428,23 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     return rt
 
 
-def fixed_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ConfigError(f"block size {block_size!r} is neither 'auto' nor a whole number",
-                          "use block_size='auto' or a size >= 2")
-    if block_size < 2:
-        raise ConfigError(f"block size {block_size} leaves no room for drafts", "use a block size >= 2")
-    return block_size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(folder: Path):
+    """The target's tokenizer; a folder without one is named as such (transformers would otherwise
+    blame sentencepiece or tiktoken)."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"target folder {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
+                                 "copy the tokenizer files from the model's repository into that folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        raise ModelNotFoundError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})",
+                                 "copy complete tokenizer files from the model's repository into that folder") from None
 
 
 def oversubscription(target_device: str, draft_device: str) -> list[str]:
@@ -416,11 +490,12 @@ def compiled_package(reference, dfolder) -> Path:
 
     from ane_compiler.compile import convert
 
-    from .home import home
+    from .home import home, writable_home
 
     key = hashlib.sha1(str(Path(dfolder or "random").resolve()).encode()).hexdigest()[:12]
     package = home() / "compiled" / f"draft-{key}-b{reference.block_size}.mlpackage"
     if not package.exists():
+        writable_home("compiling the draft for Core ML")
         package.parent.mkdir(parents=True, exist_ok=True)
         convert(reference, package)
     return package

@@ -43,9 +43,10 @@ def resolve_folder(spec: str, role: str) -> Path:
                              "give a folder with config.json, a .gguf file, org/name, or 'default'")
 
 
-def hub_snapshot(repo_id: str, role: str = "model", download: bool = True) -> Path:
+def hub_snapshot(repo_id: str, role: str = "model", download: bool = True, fetching: bool = False) -> Path:
     """A hub repo through huggingface-hub's cache: downloaded when missing, read from the cache only
-    when HF_HUB_OFFLINE=1 (huggingface-hub honours it) or download=False."""
+    when HF_HUB_OFFLINE=1 (huggingface-hub honours it) or download=False. fetching: called by
+    `hetero-sd fetch`, whose failure must not advise running `hetero-sd fetch` again."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -56,9 +57,17 @@ def hub_snapshot(repo_id: str, role: str = "model", download: bool = True) -> Pa
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         raise ModelNotFoundError(
             f"{role} {repo_id!r} is not in the local hub cache"
-            + (" and HF_HUB_OFFLINE is set" if offline else ""),
-            f"run `hetero-sd fetch {repo_id}` where the hub is reachable (or set HF_HUB_CACHE)") from None
+            + (" and HF_HUB_OFFLINE is set" if offline else " and the hub could not be reached" if download else ""),
+            offline_fix(repo_id, fetching, offline)) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not download {role} {repo_id!r} ({type(e).__name__}: {e})",
                                  "check the repo id and the network, or copy the folder and pass its path"
                                  ) from None
+
+
+def offline_fix(repo_id: str, fetching: bool, offline: bool) -> str:
+    if not fetching:
+        return f"run `hetero-sd fetch {repo_id}` where the hub is reachable (or set HF_HUB_CACHE)"
+    if offline:
+        return "unset HF_HUB_OFFLINE so that it can be downloaded, or copy the model folder here and pass its path"
+    return "check the network connection to huggingface.co, or copy the model folder here and pass its path"

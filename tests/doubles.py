@@ -72,5 +72,7 @@ class FaultyDraft(DraftBackend):
         return logits
 
 
-def with_draft(rt: Runtime, draft: DraftBackend, schedule: str = "sequential") -> Runtime:
-    return Runtime(rt.target, draft, rt.tokenizer, rt.stop_ids, rt.info, schedule)
+def with_draft(rt: Runtime, draft: DraftBackend, schedule: str = "sequential", block: str | int = "fixed",
+               memory=None) -> Runtime:
+    """The same target with another draft (a new runtime: its request slots hold the draft)."""
+    return Runtime(rt.target, draft, rt.tokenizer, rt.stop_ids, rt.info, schedule, block, memory)

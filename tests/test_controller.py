@@ -12,7 +12,7 @@ import hetero_sd
 from hetero_sd.controller import PLAIN, AutoBlock, Memory, interpolate
 from hetero_sd.costs import Costs
 
-from .doubles import OracleDraft
+from .doubles import OracleDraft, with_draft
 
 DECODE = 0.05
 
@@ -140,11 +140,10 @@ def test_switches_between_plain_and_blocks_are_lossless(tiny_llama, schedule):
     base = rt.generate(prompt, max_new_tokens=120, speculative=False)
     oracle = OracleDraft(base.prompt_ids + base.token_ids, rt.draft.block_size, rt.target.config.vocab_size,
                          right=stretches)
-    rt.draft = oracle
     # given costs (a verify of 16 at 1.6 decode steps), never learnt from timings: the choices then
     # depend on acceptance alone, and the test on nothing but the tokens
-    rt.memory = Memory(cpu_like_costs(), rt.draft.block_size, learn_costs=False)
-    out = rt.generate(prompt, max_new_tokens=120)
+    memory = Memory(cpu_like_costs(), oracle.block_size, learn_costs=False)
+    out = with_draft(rt, oracle, schedule, "auto", memory).generate(prompt, max_new_tokens=120)
     assert out.token_ids == base.token_ids
     modes = [m for _, m, _ in out.stats.switches]
     assert "plain" in modes and modes.count("speculative") >= 2  # left and came back

@@ -138,8 +138,9 @@ def test_placement_sweep_gives_one_row_per_placement_and_schedule(tiny_llama, ti
 def test_the_controller_is_lossless_in_every_schedule(smollm_random, baselines, schedule):
     """block 'auto' with an untrained draft: the controller leaves speculation for plain decoding (and
     probes back now and then); the tokens stay the target's in every schedule."""
-    rt = with_draft(smollm_random, smollm_random.draft, "overlap" if schedule == "overlap" else "sequential")
-    rt.block, rt.memory = "auto", Memory(measured_costs(smollm_random), smollm_random.draft.block_size)
+    memory = Memory(measured_costs(smollm_random), smollm_random.draft.block_size)
+    rt = with_draft(smollm_random, smollm_random.draft, "overlap" if schedule == "overlap" else "sequential",
+                    "auto", memory)
     if schedule == "pipeline":
         outs = rt.generate_many(PROMPTS, max_new_tokens=MAX_NEW, schedule="pipeline")
     else:

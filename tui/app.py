@@ -191,8 +191,18 @@ class ChatApp(App):
         self.refresh_panel()
 
     def action_save(self) -> None:
-        path = self.save_dir / time.strftime("hetero-sd-chat-%Y%m%d-%H%M%S.md")
-        path.write_text(self.conversation.markdown(self.runtime.info if self.runtime else {}))
+        """Write the transcript; a folder that cannot be written is reported in the app, and the
+        conversation stays as it is (save again after fixing it)."""
+        path = (self.save_dir / time.strftime("hetero-sd-chat-%Y%m%d-%H%M%S.md")).absolute()
+        try:
+            path.write_text(self.conversation.markdown(self.runtime.info if self.runtime else {}))
+        except OSError as e:
+            self.say(f"error: cannot save the conversation to {path} ({e.strerror or e})\n"
+                     "fix: start hetero-sd chat with --save-dir set to a folder you can write to; "
+                     "the conversation is kept here", "error")
+            self.notify(f"not saved: {e.strerror or e}", severity="error")
+            return
+        self.say(f"saved {path}", "note")
         self.notify(f"saved {path}")
 
     def action_toggle_sources(self) -> None:

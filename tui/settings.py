@@ -7,7 +7,9 @@ from textual.containers import Grid, Horizontal
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
+from hetero_sd import validate
 from hetero_sd.devices import devices
+from hetero_sd.errors import InvalidArgumentError
 
 SCHEDULES = ("sequential", "overlap")
 
@@ -52,11 +54,10 @@ class SettingsScreen(ModalScreen[dict | None]):
             self.dismiss(None)
             return
         try:
-            temperature = float(self.query_one("#temperature", Input).value)
-            if temperature < 0:
-                raise ValueError
-        except ValueError:
-            self.notify("temperature must be a number >= 0", severity="error")
+            temperature = validate.temperature_value(float(self.query_one("#temperature", Input).value))
+        except ValueError as e:  # not a number, or refused by the shared check (negative, nan, inf)
+            problem = e.problem if isinstance(e, InvalidArgumentError) else "temperature must be a number >= 0"
+            self.notify(problem, severity="error")
             return
         draft = self.query_one("#draft", Input).value.strip()
         self.dismiss({"target_device": self.query_one("#target_device", Select).value,

@@ -1,0 +1,170 @@
+"""One check of what a caller passes in, shared by the CLI, the chat app and the Python API, run before
+any model work: types, ranges, UTF-8, token ids, writable output paths. Every failure is an
+InvalidArgumentError (or OutputPathError) whose message names the value and the fix; the CLI prints
+it as its one `error:`/`fix:` pair. Nothing here coerces: a wrong value is refused, never rounded."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from pathlib import Path
+
+from .errors import InvalidArgumentError, OutputPathError
+
+RULES = ("match", "rejection")  # sampling.RULES, repeated so that checking needs no torch
+FIXES = {"top_k": "use 0 to keep every token, or a count such as 50",
+         "seed": "pass a seed >= 0, or none for a random one",
+         "threads": "pass 1 or more threads (or leave it unset)",
+         "limit": "pass 1 or more prompts (or leave it unset: all of them)"}
+
+
+def integer(name: str, value, minimum: int, fix: str | None = None) -> int:
+    """An int (not a bool, not a float that happens to be whole) >= minimum."""
+    fix = fix or FIXES.get(name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r} ({type(value).__name__})",
+                                   fix or f"pass a whole number >= {minimum}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}", fix or f"pass a number >= {minimum}")
+    return int(value)
+
+
+def real(name: str, value) -> float:
+    """A finite int or float (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r} ({type(value).__name__})",
+                                   f"pass {name} as a number")
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"{name} must be finite, got {value}", f"pass a finite {name}")
+    return float(value)
+
+
+def temperature_value(value) -> float:
+    t = real("temperature", value)
+    if t < 0:
+        raise InvalidArgumentError(f"temperature must be >= 0, got {t:g}", "use 0 for greedy decoding or a value > 0")
+    return t
+
+
+def top_p_value(value) -> float:
+    p = real("top_p", value)
+    if not 0 < p <= 1:
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {p:g}", "use 1 to keep every token, or e.g. 0.9")
+    return p
+
+
+def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, rule="match",
+             speculative=True) -> None:
+    """Everything a generation takes besides the prompt."""
+    integer("max_new_tokens", max_new_tokens, 0)
+    temperature_value(temperature)
+    top_p_value(top_p)
+    integer("top_k", top_k, 0)
+    if seed is not None:
+        integer("seed", seed, 0)
+    if rule not in RULES:
+        raise InvalidArgumentError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
+    if not isinstance(speculative, bool):
+        raise InvalidArgumentError(f"speculative must be True or False, got {speculative!r}",
+                                   "pass speculative=True (with the draft) or False (autoregressive)")
+
+
+def threads(value) -> int | None:
+    return None if value is None else integer("threads", value, 1)
+
+
+def limit(value) -> int | None:
+    return None if value is None else integer("limit", value, 1)
+
+
+def text(value: str, what: str = "the prompt") -> str:
+    """Text that can be tokenized: a str that is valid UTF-8 (no lone surrogates, which is what a
+    command line of invalid UTF-8 bytes decodes to)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{what} is not valid UTF-8",
+                                   "pass text in UTF-8 (check the terminal's or the file's encoding)") from None
+    return value
+
+
+def prompt(value) -> str | list[int] | list[dict]:
+    """A prompt is text, a list of token ids, or a list of chat messages ({"role", "content"})."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, (bytes, bytearray)):
+        raise InvalidArgumentError("the prompt is bytes, not text or token ids",
+                                   "decode it first: prompt.decode('utf-8')")
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # numpy or torch ids
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"the prompt must be a str, a list of token ids or a list of messages, "
+                                   f"got {type(value).__name__}", "pass the prompt as text")
+    if not value:
+        raise InvalidArgumentError("the prompt is an empty list", "pass text, or at least one token id")
+    if all(isinstance(m, dict) for m in value):
+        return [message(m, n) for n, m in enumerate(value)]
+    if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        return [int(t) for t in value]
+    raise InvalidArgumentError("the prompt list mixes types: it must hold only token ids (int) or only "
+                               "messages (dict)", "pass a list of ints or a list of {'role', 'content'} dicts")
+
+
+def message(m: dict, n: int) -> dict:
+    if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        raise InvalidArgumentError(f"message {n} needs a str 'role' and a str 'content', got {m!r}",
+                                   "pass messages like {'role': 'user', 'content': 'Hi'}")
+    text(m["content"], f"message {n}")
+    return m
+
+
+def token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """Ids the target can embed: non-empty, each in [0, vocab_size)."""
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty: it encodes to no tokens",
+                                   "pass a non-empty prompt (or use the chat template)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgumentError(f"token ids {bad[:5]} are outside the target's vocabulary [0, {vocab_size})",
+                                   "pass ids produced by this target's tokenizer (runtime.tokenizer.encode)")
+    return ids
+
+
+def block(value, draft_size: int):
+    """A per-generation block setting: 'fixed' (the draft's), 'auto', or a size 2..the draft's."""
+    if value in ("fixed", "auto"):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 2 <= value <= draft_size:
+        return int(value)
+    raise InvalidArgumentError(f"block {value!r} is not a block size this draft can fill",
+                               f"use 'fixed', 'auto' or a size from 2 to {draft_size}")
+
+
+def block_size(value, draft_size: int):
+    """load(block_size=...): None (the draft's), 'auto', or a size from 2 to the draft's own."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"block size must be an integer or 'auto', got {value!r}",
+                                   f"pass a size from 2 to {draft_size}, or 'auto'")
+    if not 2 <= value <= draft_size:
+        raise InvalidArgumentError(f"block size {value} is outside what this draft fills (2 to its own "
+                                   f"block size, {draft_size})",
+                                   f"pass a block size from 2 to {draft_size}")
+    return int(value)
+
+
+def output_file(path, flag: str) -> Path:
+    """A file we will write later: checked now, so that no work is lost to a bad path at the end."""
+    p = Path(path).expanduser()
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise OutputPathError(f"{flag} {p} is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}")
+    if not parent.is_dir():
+        raise OutputPathError(f"{flag} {p}: the folder {parent} does not exist",
+                              f"create it first (mkdir -p {parent}) or write elsewhere")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise OutputPathError(f"{flag} {p} cannot be written (permission denied or read-only)",
+                              "give a path in a folder you can write to")
+    return p
