@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .selection import SelectorBlock
+
 RULES = ("match", "rejection")
 
 
@@ -78,8 +80,11 @@ class Verdict:
     tokens: list[int]  # accepted drafts followed by the bonus/correction token
 
 
-def draft_tokens(sampler: Sampler, draft_logits: torch.Tensor, rule: str) -> tuple[list[int], torch.Tensor | None]:
-    """The block's proposals, and q (the distribution they were drawn from) when the rule needs it."""
+def draft_tokens(sampler: Sampler, draft_logits, rule: str) -> tuple[list[int], torch.Tensor | None]:
+    """The block's proposals, and q (the distribution they were drawn from) when the rule needs it.
+    draft_logits: [n, vocab], or a DFlash2 SelectorBlock (its selector draws the tokens and gives q)."""
+    if isinstance(draft_logits, SelectorBlock):
+        return draft_logits.choose(sampler, rule)
     if sampler.params.greedy or rule == "match":
         return draft_logits.argmax(-1).tolist(), None
     q = sampler.probs(draft_logits)
