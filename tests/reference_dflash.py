@@ -16,7 +16,7 @@ MASK, BLOCK, LAYER_IDS = 3, 6, [0, 2, 3]
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5}
 
 
-def make_reference_draft(folder: Path, dflash2: bool = False, seed: int = 0, config=None, dflash_config=None,
+def make_reference_draft(folder: Path, dflash2: bool = False, seed: int = 0, config=None, dflash_config=None, vocab: int = 64,
                          published_names: bool = True):
     """A 2-layer draft for the tiny 64-wide, 4-layer, 64-token targets of conftest, built with the
     reference's classes, randomised (std 0.2 matrices, norms near 1, selector scores as large as the
@@ -24,7 +24,7 @@ def make_reference_draft(folder: Path, dflash2: bool = False, seed: int = 0, con
     codebooks without `.weight`, as published DFlash2 checkpoints name them."""
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                       **(config or {}))
     cfg.num_target_layers, cfg.block_size = 4, BLOCK
@@ -82,8 +82,8 @@ def generate(model, target, prompt: list[int], max_new_tokens: int, monkeypatch)
     out = ref.dflash_generate(model, target, torch.tensor([prompt]), max_new_tokens, None, temperature=0.0,
                               return_stats=True)
     full, start, end = [], len(prompt), len(prompt) + max_new_tokens
-    for produced in out.acceptance_lengths:  # near the end the reference verifies shorter blocks
-        if end - start < model.block_size:
+    for produced in out.acceptance_lengths:
+        if end - start <= model.block_size:  # near the end: shorter blocks, counts capped by the budget
             break
         full.append(produced)
         start += produced
