@@ -77,6 +77,17 @@ def test_greedy_generation_matches_the_reference(name, drafts, target, hf_target
     assert max(acceptance) > 1  # some drafts were accepted: the comparison covers the accepting path
 
 
+@pytest.mark.parametrize("name", ["dflash2", "dflash-sliding-scaled"])
+def test_every_schedule_and_block_size_stays_lossless(name, drafts, target):
+    """Pre-drafts at a lagged context (overlap), smaller blocks (fixed or adaptive), two requests at once."""
+    rt = hetero_sd.load(str(target), str(drafts[name][1]))
+    prompts = [PROMPT, [3, 1, 4, 1, 5]]
+    base = [rt.generate(p, max_new_tokens=MAX_NEW, speculative=False).token_ids for p in prompts]
+    for kw in (dict(schedule="overlap"), dict(block="adaptive"), dict(block=3)):
+        assert [rt.generate(p, max_new_tokens=MAX_NEW, **kw).token_ids for p in prompts] == base, kw
+    assert [g.token_ids for g in rt.generate_many(prompts, max_new_tokens=MAX_NEW)] == base
+
+
 @pytest.mark.parametrize("name,piece", [("dflash-sliding-scaled", "masks"), ("dflash2", "convolution"),
                                         ("dflash2", "codebooks")])
 def test_the_parity_check_catches_a_missing_piece(name, piece, drafts, target, hf_target, monkeypatch):
