@@ -128,10 +128,11 @@ def read_format(raw: dict, where: str) -> DraftFormat:
 
 def architecture(raw: dict, where: str) -> str:
     archs = raw.get("architectures")
+    if "dflash_config" not in raw and not set(archs or []) & set(ARCHITECTURES):  # e.g. a target model
+        named = f"architecture {', '.join(archs)}" if archs else "no DFlashDraftModel architecture"
+        raise ConfigError(f"{where} is not a DFlash draft config ({named})",
+                          "pass a z-lab DFlash draft folder as --draft, or leave --draft out")
     if archs is None:  # older drafts name none; dflash_config marks them as DFlash
-        if "dflash_config" not in raw:
-            raise ConfigError(f"{where} is not a DFlash draft config (no DFlashDraftModel architecture)",
-                              "pass a z-lab DFlash draft folder as --draft, or leave --draft out")
         return "dflash"
     unknown = [a for a in archs if a not in ARCHITECTURES]
     if unknown or len(archs) != 1:
