@@ -84,6 +84,9 @@ class ArchConfig:
             raise ConfigError(f"{where} lacks the field {e.args[0]!r}", "re-create the model folder")
 
 
+QWEN3_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "attention_bias": False}
+
+
 def fallback_layer_ids(num_target_layers: int, num_draft_feature_layers: int) -> list[int]:
     """Target layers used when a draft config names none (the reference implementation's rule)."""
     n, count = num_target_layers, num_draft_feature_layers
@@ -110,8 +113,12 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, raw: dict, where: str = "draft config") -> "DraftConfig":
         fmt = read_format(raw, where)  # strict: unknown architectures and keys are errors
-        # Attention per layer lives in fmt; the layers' shapes are a plain decoder's.
+        # Attention per layer lives in fmt; the layers' shapes are a plain decoder's. The reference builds
+        # every draft from Qwen3 layers (q/k norms; bias only if attention_bias) whatever model_type says.
         layers_raw = {k: v for k, v in raw.items() if k not in ("layer_types", "use_sliding_window")}
+        layers_raw["model_type"] = "qwen3"
+        for key, default in QWEN3_DEFAULTS.items():  # what Qwen3Config fills in when a key is absent
+            layers_raw.setdefault(key, default)
         return cls(
             arch=ArchConfig.from_dict(layers_raw, where),
             block_size=int(lookup(raw, "block_size", 16)),

@@ -183,6 +183,15 @@ def test_a_dflash2_checkpoint_read_as_dflash_names_the_unused_tensors(drafts, ta
         hetero_sd.load(str(target), str(bad))
 
 
+def test_a_draft_is_qwen3_layers_whatever_its_model_type(drafts, target, tmp_path):
+    """As in the reference (its draft class is a Qwen3 model): q/k norms, no bias."""
+    folder = drafts["dflash"][1]
+    llama = edited(folder, tmp_path / "d", config=lambda raw: raw.update(model_type="llama"))
+    a = hetero_sd.load(str(target), str(folder)).draft_step(PROMPT)
+    b = hetero_sd.load(str(target), str(llama)).draft_step(PROMPT)
+    assert a.tokens == b.tokens and (a.logits == b.logits).all()
+
+
 def test_published_and_save_pretrained_codebook_names_both_load(drafts, target, tmp_path):
     model, folder = drafts["dflash2"]
     renamed = edited(folder, tmp_path / "d", tensors=lambda t: t.update(
