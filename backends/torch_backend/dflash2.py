@@ -92,6 +92,7 @@ class Selector:
         projected = linear(hidden, self.projection)  # [n, rank]
         successors = F.embedding(candidates, self.successor)  # [n, k, rank]
 
+        @torch.inference_mode()
         def walk(temperature: float, generator: torch.Generator | None):
             previous, tokens, rows = anchor, [], []
             for i in range(candidates.shape[0]):
