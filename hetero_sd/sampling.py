@@ -5,7 +5,8 @@ Both rules keep the target's distribution exactly (after temperature, top-k and 
   equal it. Every emitted token is a target sample; the draft only decides how many come per step.
 - `rejection` (Leviathan et al. 2023): accept draft token d ~ q with probability min(1, p(d)/q(d));
   at the first rejection emit a sample from norm(max(p - q, 0)). Accepts more when q is close to p.
-At temperature 0 both reduce to greedy prefix matching."""
+At temperature 0 both reduce to greedy prefix matching. A DFlash2 draft's tokens and q come from its
+candidate selector (selection.py): q is zero off each position's candidates, the rules are unchanged."""
 
 from __future__ import annotations
 
