@@ -65,6 +65,7 @@ class SafeDraftGraph(nn.Module):
     def __init__(self, draft, rounding=identity):
         """draft: a loaded backends.torch_backend.TorchDraft (weights are copied as float32)."""
         super().__init__()
+        draft.format.require_plain("the Neural Engine graph")  # it has no convolution, selector or masks
         self.arch, self.round = draft.arch, rounding
         self.w = holding({"fc": draft.fc, "hidden_norm": draft.hidden_norm, "norm": draft.norm,
                           "lm_head": draft.lm_head}, rounding)

@@ -195,7 +195,8 @@ def report(saver: Saver) -> None:
 
 
 def print_bench(res: dict) -> None:
-    t = Table(title="hetero-sd bench: autoregressive baseline vs DFlash speculative decoding")
+    fmt = res["models"].get("draft_format") or "dflash"
+    t = Table(title=f"hetero-sd bench: autoregressive baseline vs DFlash speculative decoding (draft: {fmt})")
     for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
         t.add_column(col, justify="right")
     for r in res["prompts"]:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .draft_format import DraftFormat, lookup, read_format
 from .errors import ConfigError
 
 # Decoder families whose blocks our backends implement (Llama-style pre-norm blocks, GQA, RoPE).
@@ -83,6 +84,9 @@ class ArchConfig:
             raise ConfigError(f"{where} lacks the field {e.args[0]!r}", "re-create the model folder")
 
 
+QWEN3_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "attention_bias": False}
+
+
 def fallback_layer_ids(num_target_layers: int, num_draft_feature_layers: int) -> list[int]:
     """Target layers used when a draft config names none (the reference implementation's rule)."""
     n, count = num_target_layers, num_draft_feature_layers
@@ -100,6 +104,7 @@ class DraftConfig:
     mask_token_id: int | None
     target_layer_ids: list[int] | None
     num_target_layers: int | None
+    format: DraftFormat = None  # DFlash or DFlash2, attention per layer, scales (draft_format.py)
 
     @classmethod
     def from_folder(cls, folder: Path) -> "DraftConfig":
@@ -107,16 +112,20 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "draft config") -> "DraftConfig":
-        if "DFlashDraftModel" not in (raw.get("architectures") or []) and "dflash_config" not in raw:
-            raise ConfigError(f"{where} is not a DFlash draft config (no DFlashDraftModel architecture)",
-                              "pass a z-lab DFlash draft folder as --draft, or leave --draft out")
-        dflash = raw.get("dflash_config") or {}
+        fmt = read_format(raw, where)  # strict: unknown architectures and keys are errors
+        # Attention per layer lives in fmt; the layers' shapes are a plain decoder's. The reference builds
+        # every draft from Qwen3 layers (q/k norms; bias only if attention_bias) whatever model_type says.
+        layers_raw = {k: v for k, v in raw.items() if k not in ("layer_types", "use_sliding_window")}
+        layers_raw["model_type"] = "qwen3"
+        for key, default in QWEN3_DEFAULTS.items():  # what Qwen3Config fills in when a key is absent
+            layers_raw.setdefault(key, default)
         return cls(
-            arch=ArchConfig.from_dict(raw, where),
-            block_size=int(raw.get("block_size", dflash.get("block_size", 16))),
-            mask_token_id=dflash.get("mask_token_id", raw.get("mask_token_id")),
-            target_layer_ids=dflash.get("target_layer_ids"),
+            arch=ArchConfig.from_dict(layers_raw, where),
+            block_size=int(lookup(raw, "block_size", 16)),
+            mask_token_id=lookup(raw, "mask_token_id"),
+            target_layer_ids=lookup(raw, "target_layer_ids"),
             num_target_layers=raw.get("num_target_layers"),
+            format=fmt,
         )
 
     def layer_ids(self, num_feature_layers: int) -> list[int]:

@@ -29,6 +29,7 @@ from backends.base import DraftBackend, TargetBackend
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
 from .sampling import Sampler, draft_tokens, verify
+from .selection import logits_of
 from .stats import Stats
 
 SCHEDULES = ("sequential", "overlap")
@@ -97,8 +98,8 @@ class DraftFault(RuntimeError):
     """The draft device failed or produced non-finite logits."""
 
 
-def checked(logits: torch.Tensor) -> torch.Tensor:
-    if not torch.isfinite(logits).all():
+def checked(logits):
+    if not torch.isfinite(logits_of(logits)).all():
         raise DraftFault("the draft produced non-finite logits (NaN or inf)")
     return logits
 
@@ -271,7 +272,7 @@ def hypotheses(logits: torch.Tensor, drafted: list[int], limit: int) -> list[tup
     """The likeliest verification outcomes (j drafts accepted, bonus token c) under the draft's own
     distribution: P ~ prod_{i<j} q_i(d_i) * q_j(c) with c != d_j, where d are the drafted tokens.
     Full acceptance is left out: the block has no prediction for the token after it."""
-    logp = logits.float().log_softmax(-1)
+    logp = logits_of(logits).float().log_softmax(-1)  # DFlash2: the unary scores, an approximation
     n, drafted = logp.shape[0], torch.tensor(drafted)
     rows = torch.arange(n)
     prefix = torch.cat([torch.zeros(1), logp[rows, drafted].cumsum(0)[:-1]])

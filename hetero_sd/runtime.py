@@ -25,12 +25,14 @@ from .cost_cache import cost_key, costs_for, source_id
 from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
 from .devices import check_device, cpu_bound
+from .draft_format import check_tensors
 from .draft_init import draft_config, pick_mask_token, random_draft_tensors
 from .drift import Drift
 from .errors import ConfigError, DeviceFailedError, ModelNotFoundError, PromptTooLongError, RuntimeClosedError
 from .lanes import Lane, Lanes
 from .pairing import check_pair, feature_layers
 from .sampling import Sampler, SamplingParams, draft_tokens
+from .selection import logits_of
 from .sources import resolve_folder, resolve_target, source_gguf
 from .stats import Stats
 from .timeline import Timeline
@@ -182,7 +184,8 @@ class Runtime:
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
                       schedule=schedule if use_draft else "sequential",
                       block_size=self.block_size if use_draft else 1, notes=self.notes + notes,
-                      timeline=timeline or Timeline(), request=request)
+                      timeline=timeline or Timeline(), request=request,
+                      draft_format=self.info.get("draft_format") if use_draft else None)
         if schedule == "overlap" and use_draft:
             stats.notes += oversubscription(self.target.device, self.draft.device)
         req = decoding.Request(None, None, prompt_ids, Sampler(SamplingParams(temperature, top_k, top_p), seed),
@@ -248,7 +251,7 @@ class Runtime:
             raise DeviceFailedError(f"the draft failed on its first block: {stats.fallback}",
                                     "check the draft device (`hetero-sd devices`) and the draft's weights")
         tokens, _ = draft_tokens(req.sampler, logits, "match")
-        return DraftStep(anchor, tokens, logits.float().cpu().numpy())
+        return DraftStep(anchor, tokens, logits_of(logits).float().cpu().numpy())
 
     def block_policy(self, block: str | int, prompt_ids: list[int]):
         """The per-step block size: the controller (a fresh one per generation, over the runtime's
@@ -389,8 +392,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
-    under the model home) and the acceptance seen so far; or a fixed size from 2 to the draft's own,
-    used on every step."""
+    under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
+    or a size from 2 to the draft's own, used on every step."""
     target_device = check_device(target_device, "target")
     draft_device = check_device(draft_device or target_device, "draft")
     check_schedule(schedule)
@@ -412,11 +415,12 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     mask = check_pair(dcfg, tcfg, mask)
     block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
-    if block == "fixed":
+    if isinstance(block_size, int):
         dcfg.block_size = int(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context)
     d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
-    info.update(draft=str(dfolder) if dfolder else draft, draft_device=draft_device, block_size=dcfg.block_size,
+    info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
+                draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
@@ -466,10 +470,12 @@ def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors:
     """The draft on its device. Reduced-precision devices come with the float32 reference alongside
     (ShadowedDraft), which measures their precision drift."""
     if device == "mlx":
+        dcfg.format.require_plain("the MLX backend")
         from backends import mlx_backend
         return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
     if device not in ("ane-sim", "ane", "coreml-gpu", "coreml-cpu"):
         return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+    dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
     reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
     if device == "ane-sim":
         from backends.coreml import AneSimDraft
@@ -563,7 +569,7 @@ def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> t
     dcfg = DraftConfig.from_folder(dfolder)
     if dcfg.arch.hidden_size != tcfg.hidden_size:  # say "mismatch" before any shape error in the weights
         check_pair(dcfg, tcfg, dcfg.mask_token_id)
-    return dcfg, load_weights(dfolder), dfolder
+    return dcfg, check_tensors(load_weights(dfolder), dcfg, dfolder), dfolder
 
 
 def random_layers(draft: str) -> int:

@@ -5,13 +5,16 @@ Both rules keep the target's distribution exactly (after temperature, top-k and 
   equal it. Every emitted token is a target sample; the draft only decides how many come per step.
 - `rejection` (Leviathan et al. 2023): accept draft token d ~ q with probability min(1, p(d)/q(d));
   at the first rejection emit a sample from norm(max(p - q, 0)). Accepts more when q is close to p.
-At temperature 0 both reduce to greedy prefix matching."""
+At temperature 0 both reduce to greedy prefix matching. A DFlash2 draft's tokens and q come from its
+candidate selector (selection.py): q is zero off each position's candidates, the rules are unchanged."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .selection import SelectorBlock
 
 RULES = ("match", "rejection")
 
@@ -78,8 +81,11 @@ class Verdict:
     tokens: list[int]  # accepted drafts followed by the bonus/correction token
 
 
-def draft_tokens(sampler: Sampler, draft_logits: torch.Tensor, rule: str) -> tuple[list[int], torch.Tensor | None]:
-    """The block's proposals, and q (the distribution they were drawn from) when the rule needs it."""
+def draft_tokens(sampler: Sampler, draft_logits, rule: str) -> tuple[list[int], torch.Tensor | None]:
+    """The block's proposals, and q (the distribution they were drawn from) when the rule needs it.
+    draft_logits: [n, vocab], or a DFlash2 SelectorBlock (its selector draws the tokens and gives q)."""
+    if isinstance(draft_logits, SelectorBlock):
+        return draft_logits.choose(sampler, rule)
     if sampler.params.greedy or rule == "match":
         return draft_logits.argmax(-1).tolist(), None
     q = sampler.probs(draft_logits)

@@ -16,6 +16,7 @@ class Stats:
     mode: str = "speculative"  # or "autoregressive"
     schedule: str = "sequential"  # or "overlap", "pipeline"
     block_size: int = 0
+    draft_format: str | None = None  # e.g. "dflash", "dflash2 (top-8 selector, conv kernel 4)"
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_drafts: int = 0  # verify steps that checked a drafted block

@@ -142,12 +142,13 @@ def block(value, draft_size: int):
 
 
 def block_size(value, draft_size: int):
-    """load(block_size=...): None (the draft's), 'auto', or a size from 2 to the draft's own."""
-    if value is None or value == "auto":
+    """load(block_size=...): None or 'auto' (the controller), 'fixed' (the draft's own size on every
+    step), or a size from 2 to the draft's own."""
+    if value is None or value in ("auto", "fixed"):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"block size must be an integer or 'auto', got {value!r}",
-                                   f"pass a size from 2 to {draft_size}, or 'auto'")
+        raise InvalidArgumentError(f"block size must be an integer, 'auto' or 'fixed', got {value!r}",
+                                   f"pass a size from 2 to {draft_size}, 'auto' or 'fixed'")
     if not 2 <= value <= draft_size:
         raise InvalidArgumentError(f"block size {value} is outside what this draft fills (2 to its own "
                                    f"block size, {draft_size})",

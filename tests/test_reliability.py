@@ -169,7 +169,7 @@ def test_generate_many_checks_every_prompt_first(shared):
 @pytest.mark.parametrize("kwargs,message", [
     ({"block_size": 999}, r"block size 999 is outside what this draft fills \(2 to its own block size, 6\)"),
     ({"block_size": 1}, "block size 1 is outside"),
-    ({"block_size": "8"}, "block size must be an integer or 'auto'"),
+    ({"block_size": "8"}, "block size must be an integer, 'auto' or 'fixed'"),
     ({"cpu_threads": -1}, "threads must be >= 1"),
     ({"cpu_threads": 0}, "threads must be >= 1"),
 ])

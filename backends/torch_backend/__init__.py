@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from hetero_sd.config import ArchConfig, DraftConfig
+from hetero_sd.draft_format import check_tensors
 from hetero_sd.weights import load_weights
 
 from .draft import TorchDraft
@@ -28,7 +29,7 @@ def load_target(folder: Path, cfg: ArchConfig, device: str, dtype: torch.dtype, 
 
 def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str, dtype: torch.dtype,
                mask_token_id: int, tensors: dict | None = None) -> TorchDraft:
-    tensors = tensors if tensors is not None else load_weights(folder)
+    tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
     return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
                       feature_size, mask_token_id, target.max_context)

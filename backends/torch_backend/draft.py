@@ -1,9 +1,12 @@
 """The DFlash draft on torch (reference §2): context features fused once, K/V of the context cached,
-the block [anchor, mask, ...] denoised in one non-causal pass through the target's embedding and head."""
+the block [anchor, mask, ...] denoised in one pass through the target's embedding and head.
+Non-causal by default; per-layer causal or sliding-window masks and the DFlash2 pieces as the
+draft's format says (hetero_sd/draft_format.py, dflash2.py)."""
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,6 +16,7 @@ from hetero_sd.config import DraftConfig
 from hetero_sd.weights import take
 
 from ..base import DraftBackend
+from .dflash2 import Selector, conv_layer, layer_convs
 from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
 
 
@@ -34,6 +38,11 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
+        # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
+        self.format = cfg.format
+        dflash2 = self.format.name == "dflash2"
+        self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
+        self.selector = Selector(tensors, cfg, where, device, dtype) if dflash2 else None
 
     @property
     def context_length(self) -> int:
@@ -58,17 +67,55 @@ class TorchDraft(CacheOwner, DraftBackend):
         return twin
 
     @torch.inference_mode()
-    def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None):
+        """Logits [size-1, vocab]; for DFlash2, a SelectorBlock (its logits and the selector's walk)."""
         start, eps, size = self.cache.length, self.arch.rms_norm_eps, min(size or self.block_size, self.block_size)
+        position = start if position is None else position
         ids = torch.full((1, size), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
         h = F.embedding(ids, self.embed)
-        # Cache slots follow the context; RoPE carries the true positions (the block is non-causal).
-        cos, sin = self.rope.at(start if position is None else position, size)
+        if self.format.input_embedding_scale != 1.0:
+            h = h * self.format.input_embedding_scale
+        # Cache slots follow the context; RoPE carries the true positions.
+        cos, sin = self.rope.at(position, size)
+        masks = block_masks(self.format.attention, start, position, size, self.device)
         for i, block in enumerate(self.blocks):
-            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
             # The block's K/V go after the context and are never kept (length is not advanced).
-            keys, values = self.cache.write(i, start, k, v)
-            h = block.attend(h, q, keys, values, None)
+            write = partial(self.cache.write, i, start)
+            if self.convs is not None:
+                h = conv_layer(block, self.convs[i], h, cos, sin, write, masks[i])
+                continue
+            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
+            keys, values = write(k, v)
+            h = block.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
-        return linear(self.last_hidden, self.lm_head).float()
+        logits = output_logits(linear(self.last_hidden, self.lm_head), self.format).float()
+        return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
+
+
+def output_logits(logits: torch.Tensor, fmt) -> torch.Tensor:
+    if fmt.output_multiplier != 1.0:
+        logits = logits * fmt.output_multiplier
+    if fmt.logit_softcap is not None:
+        logits = torch.tanh(logits / fmt.logit_softcap) * fmt.logit_softcap
+    return logits
+
+
+def block_masks(attention, start: int, position: int, size: int, device) -> list[torch.Tensor | None]:
+    """Per layer, which keys the block's queries see (None: all of them, DFlash's non-causal block).
+    Keys are the context (positions 0..start-1) followed by the block (position..position+size-1)."""
+    if all(a.plain for a in attention):
+        return [None] * len(attention)
+    queries = position + torch.arange(size, device=device)[:, None]
+    keys = torch.cat([torch.arange(start, device=device), queries[:, 0]])[None, :]
+    masks = []
+    for a in attention:
+        visible = torch.ones(size, start + size, dtype=torch.bool, device=device)
+        if a.causal:
+            visible &= keys <= queries
+        if a.window is not None:
+            visible &= queries - keys < a.window
+            if not a.causal:
+                visible &= keys - queries < a.window
+        masks.append(None if a.plain else visible)
+    return masks

@@ -157,11 +157,19 @@ class Block:
 
     def attend(self, h, q, keys, values, mask):
         """Attention output projected and added to the residual, then the MLP half of the block."""
+        h = h + self.attention(q, keys, values, mask)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps))
+
+    def attention(self, q, keys, values, mask):
+        """Attention over the keys, through o_proj (not yet added to the residual)."""
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=keys.shape[1] != q.shape[1])
-        h = h + linear(o.transpose(1, 2).reshape(h.shape[0], h.shape[1], self.nq), self.wo)
-        gate, up = linear(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps), self.w_gate_up).chunk(2, -1)
-        return h + linear(F.silu(gate) * up, self.w_down)
+        return linear(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nq), self.wo)
+
+    def mlp(self, x):
+        """SwiGLU on the normed input."""
+        gate, up = linear(x, self.w_gate_up).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.w_down)
 
 
 LAYER_TENSORS = {
