@@ -48,7 +48,7 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
-                        "measured costs and acceptance) or a fixed block size")
+                        "measured costs and acceptance), 'fixed' (the draft's own) or a block size")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per lane (default: all cores; half each when both lanes share the CPU "
                         "and a schedule runs them at once)")
@@ -70,12 +70,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int, many: bool = Fal
 
 
 def block_arg(value: str) -> int | str:
-    if value == "auto":
+    if value in ("auto", "fixed"):
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'auto'") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'auto' or 'fixed'") from None
 
 
 def parser() -> argparse.ArgumentParser:
