@@ -156,7 +156,7 @@ def report(saver: Saver) -> None:
 
 def print_bench(res: dict) -> None:
     t = Table(title="hetero-sd bench: autoregressive baseline vs DFlash speculative decoding")
-    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
+    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical", "loops"):
         t.add_column(col, justify="right")
     for r in res["prompts"]:
         if "spec_tokens" not in r:  # only pipelined runs: per-prompt figures are in the schedule table
@@ -164,10 +164,15 @@ def print_bench(res: dict) -> None:
             continue
         t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
                   f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
-                  f"{r['tau']:.2f}", str(r["identical"]))
+                  f"{r['tau']:.2f}", str(r["identical"]), pct(r.get("loop_share")))
     t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
-              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
+              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), pct(res.get("loops", {}).get("loop_share")),
+              style="bold")
     Console().print(t)
+    if res.get("loops", {}).get("tau_loop_free") is not None:
+        lp = res["loops"]
+        Console().print(f"loops ({lp['ngram']}-gram repeats): {lp['loop_share']:.0%} of the tokens; loop-free part: "
+                        f"tau {lp['tau_loop_free']:.2f} (all {lp['tau_all']:.2f}), speedup {lp['speedup_loop_free']:.2f}x")
     print_details(res, "schedules (same prompts, same process)")
 
 
@@ -195,8 +200,8 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
         ids = [rt.encode(p.text)[0] for p in prompts]
         task = progress.add_task("peers", total=len(names) * len(ids))
         rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
-            task, advance=1, description=f"peer {name}"), draft=args.peer_draft)
-        res["peers"] = [r.to_dict(res["spec_tokens_per_s"]) for r in rows]
+            task, advance=1, description=f"peer {name}"), draft=args.peer_draft, ours=res["prompts"])
+        res["peers"] = [r.to_dict(res["spec_tokens_per_s"], res["baseline_tokens_per_s"]) for r in rows]
         for r in rows:
             if r.skipped:
                 progress.console.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
@@ -210,20 +215,38 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
 
 
 def print_peers(res: dict) -> None:
-    t = Table(title="peers (same prompts, same run)")
-    for col in ("system", "tok/s", "vs hetero-sd DFlash", "of the floor", "note"):
+    """Every system's tok/s as a ratio to ours (theirs / ours), tau where reported, loop share."""
+    t = Table(title="peers (same prompts, same run; ratios are theirs / ours)")
+    for col in ("system", "tok/s", "tau", "vs hetero-sd DFlash", "vs hetero-sd AR", "loops", "of the floor", "note"):
         t.add_column(col, justify="right" if col != "note" else "left")
     fractions = res.get("floor", {}).get("fraction_of_floor", {})
-    own = [("hetero-sd autoregressive", res["baseline_tokens_per_s"]), ("hetero-sd DFlash", res["spec_tokens_per_s"])]
-    for name, tps in own:
-        t.add_row(name, f"{tps:.1f}", f"{tps / res['spec_tokens_per_s']:.2f}x", pct(fractions.get(name)), "this run")
+    base, spec, loops = res["baseline_tokens_per_s"], res["spec_tokens_per_s"], res.get("loops", {})
+    own = [("hetero-sd autoregressive", base, None), ("hetero-sd DFlash", spec, res["tau"])]
+    for name, tps, tau in own:
+        t.add_row(name, f"{tps:.1f}", num(tau), f"{tps / spec:.2f}x", f"{tps / base:.2f}x", pct(loops.get("loop_share")),
+                  pct(fractions.get(name)), "this run")
     for r in res.get("peers", []):
         if r["skipped"]:
-            t.add_row(r["name"], "-", "-", "-", r["note"])
+            t.add_row(r["name"], "-", "-", "-", "-", "-", "-", f"skipped: {r['note']}")
         else:
-            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_to_spec']:.2f}x", pct(fractions.get(r["name"])),
-                      r["note"])
+            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", num(r.get("tau")), f"{r['ratio_to_spec']:.2f}x",
+                      f"{r['ratio_to_autoregressive']:.2f}x", pct(r.get("loop_share")), pct(fractions.get(r["name"])),
+                      f"{r['note']}; reads {r['weights']}" + identical(r))
     Console().print(t)
+
+
+def num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def identical(peer: dict) -> str:
+    """z-lab's reference at T=0: identical to our tokens on every prompt, or where it first differs."""
+    if "identical" not in peer:
+        return ""
+    if peer["identical"]:
+        return "; tokens identical to ours on every prompt"
+    diffs = [f"#{i}@{p['first_divergence']}" for i, p in enumerate(peer["prompts"]) if not p.get("identical", True)]
+    return f"; differs from ours (prompt@token): {', '.join(diffs)}"
 
 
 def pct(x) -> str:

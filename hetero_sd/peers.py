@@ -78,24 +78,28 @@ def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_to
     same input), up to max_new_tokens or EOS. tick(name) after every prompt; draft: the small
     autoregressive model for mlx-lm's speculative mode; ours: this run's bench rows (output_ids, tau),
     which z-lab's reference is checked against."""
-    from .peers_llama import llama_cpp_binary
-    from .peers_zlab import zlab_reference
-
     folder = Path(runtime.info["target"])
     rows = []
     for name in names:
         done = (lambda n=name: tick(n)) if tick else (lambda: None)
-        if name in ("transformers", "transformers-lookup"):
-            rows.append(hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done))
-        elif name in ("llama.cpp", "llama.cpp-dflash"):
-            rows.append(llama_cpp_binary(runtime, prompt_ids, max_new_tokens, done, dflash=name == "llama.cpp-dflash")
-                        or llama_cpp(runtime, prompt_ids, max_new_tokens, done))
-        elif name == "zlab-reference":
-            rows.append(zlab_reference(runtime, prompt_ids, max_new_tokens, done, ours or []))
-        else:
-            rows.append(mlx_lm(folder, prompt_ids, max_new_tokens, done,
-                               draft if name == "mlx-lm-speculative" else None, name))
+        try:
+            rows.append(one_peer(name, folder, runtime, prompt_ids, max_new_tokens, done, draft, ours or []))
+        except Exception as e:  # a broken peer must not lose the run: recorded as skipped, with why
+            rows.append(PeerRow(name, skipped=True, note=f"failed: {type(e).__name__}: {str(e)[:500]}"))
     return rows
+
+
+def one_peer(name, folder: Path, runtime, prompt_ids, max_new_tokens: int, done, draft, ours) -> PeerRow:
+    from .peers_llama import llama_cpp_peer
+    from .peers_zlab import zlab_reference
+
+    if name in ("transformers", "transformers-lookup"):
+        return hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done)
+    if name in ("llama.cpp", "llama.cpp-dflash"):
+        return llama_cpp_peer(runtime, prompt_ids, max_new_tokens, done, name)
+    if name == "zlab-reference":
+        return zlab_reference(runtime, prompt_ids, max_new_tokens, done, ours)
+    return mlx_lm(folder, prompt_ids, max_new_tokens, done, draft if name == "mlx-lm-speculative" else None, name)
 
 
 def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, done) -> PeerRow:
