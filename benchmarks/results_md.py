@@ -51,7 +51,7 @@ def run_section(name: str, res: dict) -> list[str]:
                  f"{res['speedup']:.2f}x | {res['tau']:.2f} | {loop_cells(res.get('loops', {}))} |")
     lines.append("")
     if res.get("loops"):
-        lines += [f"Loop share: the tokens that end a {res['loops']['ngram']}-gram already generated earlier in the same "
+        lines += [f"Loop share: the tokens that end a run of {res['loops']['ngram']} tokens already generated earlier in the same "
                   "answer (hetero_sd/loops.py); loop-free tau and speedup count only the other tokens.", ""]
     if any("spec_tokens" in r and "steps" not in r for r in res["prompts"]):  # JSON from before pooled rows
         lines += ["(In this file a category's tau is the mean of its prompts' taus; the **all** row pools every "

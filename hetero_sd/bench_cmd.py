@@ -171,7 +171,7 @@ def print_bench(res: dict) -> None:
     Console().print(t)
     if res.get("loops", {}).get("tau_loop_free") is not None:
         lp = res["loops"]
-        Console().print(f"loops ({lp['ngram']}-gram repeats): {lp['loop_share']:.0%} of the tokens; loop-free part: "
+        Console().print(f"loops (repeats of {lp['ngram']} tokens): {lp['loop_share']:.0%} of the tokens; loop-free part: "
                         f"tau {lp['tau_loop_free']:.2f} (all {lp['tau_all']:.2f}), speedup {lp['speedup_loop_free']:.2f}x")
     print_details(res, "schedules (same prompts, same process)")
 
@@ -215,24 +215,30 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
 
 
 def print_peers(res: dict) -> None:
-    """Every system's tok/s as a ratio to ours (theirs / ours), tau where reported, loop share."""
+    """Every system's tok/s as a ratio to ours (theirs / ours), tau where reported, loop share; the
+    notes (what each ran, what it reads, why it was skipped) below the table."""
     t = Table(title="peers (same prompts, same run; ratios are theirs / ours)")
-    for col in ("system", "tok/s", "tau", "vs hetero-sd DFlash", "vs hetero-sd AR", "loops", "of the floor", "note"):
-        t.add_column(col, justify="right" if col != "note" else "left")
+    for col in ("system", "tok/s", "tau", "vs DFlash", "vs AR", "loops", "of floor"):
+        t.add_column(col, justify="right")
     fractions = res.get("floor", {}).get("fraction_of_floor", {})
     base, spec, loops = res["baseline_tokens_per_s"], res["spec_tokens_per_s"], res.get("loops", {})
     own = [("hetero-sd autoregressive", base, None), ("hetero-sd DFlash", spec, res["tau"])]
     for name, tps, tau in own:
         t.add_row(name, f"{tps:.1f}", num(tau), f"{tps / spec:.2f}x", f"{tps / base:.2f}x", pct(loops.get("loop_share")),
-                  pct(fractions.get(name)), "this run")
+                  pct(fractions.get(name)))
+    notes = []
     for r in res.get("peers", []):
         if r["skipped"]:
-            t.add_row(r["name"], "-", "-", "-", "-", "-", "-", f"skipped: {r['note']}")
-        else:
-            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", num(r.get("tau")), f"{r['ratio_to_spec']:.2f}x",
-                      f"{r['ratio_to_autoregressive']:.2f}x", pct(r.get("loop_share")), pct(fractions.get(r["name"])),
-                      f"{r['note']}; reads {r['weights']}" + identical(r))
-    Console().print(t)
+            t.add_row(r["name"], "-", "-", "-", "-", "-", "-")
+            notes.append(f"[yellow]{r['name']} skipped:[/] {r['note']}")
+            continue
+        t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", num(r.get("tau")), f"{r['ratio_to_spec']:.2f}x",
+                  f"{r['ratio_to_autoregressive']:.2f}x", pct(r.get("loop_share")), pct(fractions.get(r["name"])))
+        notes.append(f"{r['name']}: {r['note']}; reads {r['weights']}{identical(r)}")
+    console = Console()
+    console.print(t)
+    for line in notes:
+        console.print(f"  {line}", markup=True, highlight=False)
 
 
 def num(x) -> str:
