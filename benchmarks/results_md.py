@@ -119,10 +119,16 @@ def identity(p: dict) -> str:
     if "identical" not in p:
         return ""
     if p["identical"]:
-        return "; tokens identical to ours on every prompt"
-    diffs = [f"prompt {i} at token {q['first_divergence']}" for i, q in enumerate(p["prompts"])
-             if not q.get("identical", True)]
-    return "; differs from ours: " + ", ".join(diffs)
+        text = "; tokens identical to ours on every prompt"
+    else:
+        text = "; tokens differ from ours: " + ", ".join(
+            f"prompt {i} at token {q['first_divergence']}" for i, q in enumerate(p["prompts"]) if not q.get("identical", True))
+    steps = [(i, q["acceptance_differs_at_token"], q["tokens"]) for i, q in enumerate(p["prompts"])
+             if q.get("acceptance_differs_at_token") is not None]
+    if any("acceptance_differs_at_token" in q for q in p["prompts"]):
+        text += ("; acceptance lengths as ours on every prompt" if not steps else "; acceptance lengths differ from "
+                 + ", ".join(f"token {t} of {n} (prompt {i})" for i, t, n in steps))
+    return text
 
 
 def verdict(runs: list[tuple[str, dict]]) -> list[str]:

@@ -108,6 +108,7 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
         "spec_tokens": spec.stats.num_generated_tokens, "spec_s": spec.stats.total_s,
         "spec_tokens_per_s": spec.stats.tokens_per_s, "tau": spec.stats.tau,
         "steps": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens,
+        "accepted_per_step": spec.stats.accepted_per_step,
         "identical": diverges is None if temperature == 0 else None,
         "first_divergence": diverges if temperature == 0 else None,
         "draft_s": spec.stats.draft_s, "verify_s": spec.stats.verify_s,

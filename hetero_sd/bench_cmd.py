@@ -250,9 +250,13 @@ def identical(peer: dict) -> str:
     if "identical" not in peer:
         return ""
     if peer["identical"]:
-        return "; tokens identical to ours on every prompt"
-    diffs = [f"#{i}@{p['first_divergence']}" for i, p in enumerate(peer["prompts"]) if not p.get("identical", True)]
-    return f"; differs from ours (prompt@token): {', '.join(diffs)}"
+        text = "; tokens identical to ours on every prompt"
+    else:
+        diffs = [f"#{i}@{p['first_divergence']}" for i, p in enumerate(peer["prompts"]) if not p.get("identical", True)]
+        text = f"; tokens differ from ours (prompt@token): {', '.join(diffs)}"
+    steps = [f"#{i}@{p['acceptance_differs_at_token']}/{p['tokens']}" for i, p in enumerate(peer["prompts"])
+             if p.get("acceptance_differs_at_token") is not None]
+    return text + (f"; acceptance lengths differ (prompt@token/tokens): {', '.join(steps)}" if steps else "")
 
 
 def pct(x) -> str:

@@ -2,7 +2,11 @@
 
 It runs our HF target folder and our draft folder with transformers, in float32 as our runtime does,
 so at T=0 its tokens must equal ours: every prompt records whether they are identical (or where they
-first differ) and both taus. Its package assumes CUDA: the timer of `dflash_generate(return_stats=True)`
+first differ), both taus, and the first token where the two loops' acceptance lengths differ. One
+known difference: near the length limit z-lab shrinks the block to what is left (its non-causal draft
+then sees fewer mask positions and may propose other tokens), where we draft the full block and cut;
+so acceptance can differ within the last block of an answer that reaches --max-new-tokens. Its tau is
+z-lab's: the mean of its acceptance lengths (the last step counted as cut). Its package assumes CUDA: the timer of `dflash_generate(return_stats=True)`
 calls torch.cuda.synchronize(), which is replaced by a plain clock when CUDA is absent (announced in
 the row's note). The speed is measured around the call, as ours is."""
 
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .loops import step_lengths
 from .peers import PeerRow
 
 NAME = "zlab-reference"
@@ -43,7 +48,7 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
             lengths = [int(a) for a in out.acceptance_lengths]
             row.add(gen, seconds, lengths=lengths, steps=len(lengths),
                     tau=sum(lengths) / len(lengths) if lengths else None,
-                    **identity(gen, ours[n] if n < len(ours) else None))
+                    **identity(gen, ours[n] if n < len(ours) else None, lengths))
             done()
     return row
 
@@ -63,7 +68,7 @@ def generate(zm, draft, target, ids: list[int], max_new_tokens: int, stop_ids: l
                               temperature=0.0, block_size=block, return_stats=True)
 
 
-def identity(gen: list[int], ours: dict | None) -> dict:
+def identity(gen: list[int], ours: dict | None, lengths: list[int] | None = None) -> dict:
     """Against our speculative answer for the same prompt at T=0: identical, or the first differing
     position; and our tau beside theirs."""
     if not ours or "output_ids" not in ours:
@@ -71,7 +76,21 @@ def identity(gen: list[int], ours: dict | None) -> dict:
     from .bench import first_divergence
 
     diverges = first_divergence(ours["output_ids"], gen)
-    return {"identical": diverges is None, "first_divergence": diverges, "tau_ours": ours.get("tau")}
+    out = {"identical": diverges is None, "first_divergence": diverges, "tau_ours": ours.get("tau")}
+    if "accepted_per_step" in ours and lengths is not None:
+        mine = step_lengths(ours["accepted_per_step"], len(ours["output_ids"]))
+        out["acceptance_differs_at_token"] = first_difference(mine, lengths)
+    return out
+
+
+def first_difference(mine: list[int], theirs: list[int]) -> int | None:
+    """The answer position where the first step whose emitted count differs begins (None: same steps)."""
+    position = 1  # token 0 is the prefill token
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return position
+        position += a
+    return None if len(mine) == len(theirs) else position
 
 
 @contextmanager

@@ -37,6 +37,7 @@ def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft)
     if not zlab["skipped"]:  # z-lab's package is in `make setup`; without it the row says how to get it
         assert zlab["identical"] and [p["identical"] for p in zlab["prompts"]] == [True, True]
         assert zlab["tau"] >= 1 and all(p["tau_ours"] >= 1 for p in zlab["prompts"])
+        assert all("acceptance_differs_at_token" in p for p in zlab["prompts"])
     assert "pip install" in zlab["note"] or not zlab["skipped"]
     assert 0 <= res["loops"]["loop_share"] <= 1 and res["loops"]["tau_loop_free"] >= 1
     assert all(len(r["output_ids"]) == r["spec_tokens"] for r in res["prompts"])

@@ -11,7 +11,7 @@ from hetero_sd.config import ArchConfig, read_json
 from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
 from hetero_sd.loops import step_lengths
 from hetero_sd.peers import PeerRow
-from hetero_sd.peers_zlab import cpu_clock
+from hetero_sd.peers_zlab import cpu_clock, first_difference
 from hetero_sd.runtime import load
 
 zm = pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash (make setup does)")
@@ -61,3 +61,9 @@ def test_first_block_draft_logits_match(pair):
     assert mine.logits.shape == theirs.shape
     torch.testing.assert_close(torch.from_numpy(mine.logits), logits, atol=2e-5, rtol=1e-4)
     assert mine.tokens == logits.argmax(-1).tolist()
+
+
+def test_first_acceptance_difference_is_an_answer_position():
+    assert first_difference([4, 1, 2], [4, 1, 2]) is None
+    assert first_difference([4, 1, 2], [4, 2, 1]) == 5  # token 0 from prefill, then 4 + 1 tokens
+    assert first_difference([4, 1], [4, 1, 1]) == 6
