@@ -49,7 +49,7 @@ def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft)
                     "--chart", str(chart)], check=True)
     text = md.read_text()
     assert "Ahead and behind" in text and "transformers" in text and chart.stat().st_size > 1000
-    assert "| loop share | loop-free tau | loop-free speedup |" in text and "skipped: no llama.cpp build" in text
+    assert "| loop share | loop-free tau | loop-free speedup |" in text and "| llama.cpp-dflash | - |" in text
     assert zlab["skipped"] or "tokens identical to ours on every prompt" in text
 
 
