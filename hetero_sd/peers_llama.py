@@ -43,7 +43,9 @@ def llama_cpp_peer(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     if not gguf:
         return PeerRow(name, skipped=True, note="no GGUF for this target (the default target has one)")
     threads = torch.get_num_threads()
-    args = [str(binary), "-m", gguf, "-t", str(threads), "-c", "4096", "--temp", "0", "--no-escape", "--no-warmup"]
+    context = max(len(ids) for ids in prompt_ids) + max_new_tokens + 64  # the prompt must fit one batch too
+    args = [str(binary), "-m", gguf, "-t", str(threads), "-c", str(context), "-b", str(context), "--temp", "0",
+            "--no-escape"]
     weights = f"the target's GGUF as stored ({Path(gguf).name})"
     if name == "llama.cpp-dflash":
         try:
