@@ -61,7 +61,7 @@ def llama_cpp_peer(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
         args += ["-no-cnv", "--no-display-prompt", "--simple-io"]
         note = f"llama-completion, {threads} threads, greedy"
     row = PeerRow(name, weights=weights, note=f"{note} ({build_info()})")
-    run_prompt(args, runtime, prompt_ids[0], 4, name)  # warm-up: page the weights in
+    args = warm_up(args, runtime, prompt_ids[0], name, row)
     for ids in prompt_ids:
         out = run_prompt(args, runtime, ids, max_new_tokens, name)
         row.add(runtime.tokenizer.encode(out.pop("text"), add_special_tokens=False), out.pop("seconds"),
@@ -70,12 +70,33 @@ def llama_cpp_peer(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     return row
 
 
+def warm_up(args: list[str], runtime, ids: list[int], name: str, row: PeerRow) -> list[str]:
+    """One short run (pages the weights in). Where ggml's AMX kernels crash (a VM that advertises AMX
+    without supporting it: SIGSEGV in ggml_backend_amx_mul_mat), run again with --no-repack, which
+    keeps weights out of the AMX buffer; announced in the row's note."""
+    try:
+        run_prompt(args, runtime, ids, 4, name)
+        return args
+    except LlamaCrash:
+        args = args + ["--no-repack"]
+        run_prompt(args, runtime, ids, 4, name)
+        row.note += ("; died of a signal on its first run (this VM's AMX path), so run with --no-repack "
+                     "(no AMX buffer and no repacked weights: this llama.cpp repacks neither Q4_1 nor f32)")
+        return args
+
+
+class LlamaCrash(RuntimeError):
+    """The binary died of a signal."""
+
+
 def run_prompt(args: list[str], runtime, ids: list[int], max_new_tokens: int, name: str) -> dict:
     prompt = runtime.tokenizer.decode(ids, skip_special_tokens=False)
     # speculative-simple stops once it has more than -n tokens; completion stops at exactly -n
     n = max_new_tokens - 1 if name == "llama.cpp-dflash" else max_new_tokens
     proc = subprocess.run(args + ["-p", prompt, "-n", str(n)], capture_output=True, text=True,
                           timeout=TIMEOUT_S, errors="replace")
+    if proc.returncode < 0:
+        raise LlamaCrash(f"{Path(args[0]).name} died of signal {-proc.returncode}: {proc.stderr[-1000:]}")
     if proc.returncode != 0:
         raise RuntimeError(f"{Path(args[0]).name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     parse = parse_speculative if name == "llama.cpp-dflash" else parse_completion
