@@ -143,8 +143,17 @@ def verdict(runs: list[tuple[str, dict]]) -> list[str]:
                 if not p["skipped"]:
                     ratio = tps / p["tokens_per_s"]
                     lines.append(f"  - our {ours} vs {p['name']}: {ratio:.2f}x "
-                                 f"({'ahead' if ratio > 1 else 'behind'}; {tps:.1f} vs {p['tokens_per_s']:.1f} tok/s)")
+                                 f"({'ahead' if ratio > 1 else 'behind'}; {tps:.1f} vs {p['tokens_per_s']:.1f} tok/s)"
+                                 + goal(ours, p["name"], ratio))
     return lines + [""]
+
+
+GOALS = {("DFlash", "llama.cpp-dflash"): 1.5, ("DFlash", "zlab-reference"): 2.0}  # issue 15: same draft, same prompts
+
+
+def goal(ours: str, peer: str, ratio: float) -> str:
+    target = GOALS.get((ours, peer))
+    return "" if target is None else f"; goal >= {target:g}x: {'met' if ratio >= target else 'not met'}"
 
 
 def chart(runs: list[tuple[str, dict]], out: str) -> None:
