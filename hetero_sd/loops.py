@@ -7,6 +7,9 @@ LOOP_NGRAM tokens ending with it already appeared, in the same order, earlier in
 the rule only marks a token once the repeat is unambiguous. It measures repetition, not intent: a
 legitimately repeated 8-token line counts too. Systems that return only text are measured on the
 text encoded with the target's tokenizer (every peer here shares that vocabulary).
+Why 8: on the shipped draft's earlier HumanEval/chat answers (benchmarks/results/*.json), n=8 gives
+0-4% on normal answers and 15-70% on the visibly looping ones; n=4 already flags 4-13% of normal
+code (indentation, `return`), and n=16 misses the shorter loops.
 
 Loop-free tau splits each verify step between the two parts in proportion to its tokens (a step of
 5 tokens, 3 of them loop-free, gives 3 tokens and 0.6 steps to the loop-free part), so long steps
