@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -230,11 +231,11 @@ def print_peers(res: dict) -> None:
     for r in res.get("peers", []):
         if r["skipped"]:
             t.add_row(r["name"], "-", "-", "-", "-", "-", "-")
-            notes.append(f"[yellow]{r['name']} skipped:[/] {r['note']}")
+            notes.append(f"[yellow]{r['name']} skipped:[/] {escape(r['note'])}")
             continue
         t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", num(r.get("tau")), f"{r['ratio_to_spec']:.2f}x",
                   f"{r['ratio_to_autoregressive']:.2f}x", pct(r.get("loop_share")), pct(fractions.get(r["name"])))
-        notes.append(f"{r['name']}: {r['note']}; reads {r['weights']}{identical(r)}")
+        notes.append(escape(f"{r['name']}: {r['note']}; reads {r['weights']}{identical(r)}"))
     console = Console()
     console.print(t)
     for line in notes:
