@@ -38,7 +38,8 @@ class PeerRow:
         the tokens each verify step emitted (speculative peers that report them) and peer-specific extras."""
         counts = loop_counts(ids, lengths)
         tokens = len(ids) if tokens is None else tokens
-        self.prompts.append({"tokens": tokens, "seconds": seconds, **extra, "loop": counts} | loop_figures(counts))
+        self.prompts.append({"tokens": tokens, "seconds": seconds, **extra, "loop": counts, "output_ids": list(ids)}
+                            | loop_figures(counts))
         self.tokens += tokens
         self.seconds += seconds
 
@@ -86,7 +87,25 @@ def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_to
             rows.append(one_peer(name, folder, runtime, prompt_ids, max_new_tokens, done, draft, ours or []))
         except Exception as e:  # a broken peer must not lose the run: recorded as skipped, with why
             rows.append(PeerRow(name, skipped=True, note=f"failed: {type(e).__name__}: {str(e)[:500]}"))
+    compare_llama_cpp(rows)
     return rows
+
+
+def compare_llama_cpp(rows: list[PeerRow]) -> None:
+    """llama.cpp's DFlash against its own autoregressive decoding of the same GGUF: greedy speculative
+    decoding should give the same answer, but its verify batches and single-token steps run different
+    quantised kernels. Per prompt: the first differing token of the two answers (their texts encoded
+    with the target's tokenizer; None: identical)."""
+    by_name = {r.name: r for r in rows if not r.skipped}
+    dflash, plain = by_name.get("llama.cpp-dflash"), by_name.get("llama.cpp")
+    if not (dflash and plain):
+        return
+    from .bench import first_divergence
+
+    for a, b in zip(dflash.prompts, plain.prompts):
+        a["first_divergence_from_llama.cpp"] = first_divergence(b["output_ids"], a["output_ids"])
+    same = sum(p["first_divergence_from_llama.cpp"] is None for p in dflash.prompts)
+    dflash.note += f"; its answers equal llama.cpp's autoregressive ones on {same} of {len(dflash.prompts)} prompts"
 
 
 def one_peer(name, folder: Path, runtime, prompt_ids, max_new_tokens: int, done, draft, ours) -> PeerRow:

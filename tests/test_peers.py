@@ -72,3 +72,15 @@ def test_peer_names_and_datasets():
         peer_names("vllm")
     both = load_prompts(dataset="math,summarize", limit=2)
     assert [p.category for p in both] == ["math", "math", "summarize", "summarize"]
+
+
+def test_llama_cpp_dflash_is_compared_with_llama_cpp_autoregressive():
+    from hetero_sd.peers import PeerRow, compare_llama_cpp
+
+    dflash, plain = PeerRow("llama.cpp-dflash"), PeerRow("llama.cpp")
+    for row, answers in ((dflash, [[1, 2, 3], [4, 5, 6]]), (plain, [[1, 2, 3], [4, 9, 6]])):
+        for ids in answers:
+            row.add(ids, 1.0)
+    compare_llama_cpp([dflash, plain])
+    assert [p["first_divergence_from_llama.cpp"] for p in dflash.prompts] == [None, 1]
+    assert "equal llama.cpp's autoregressive ones on 1 of 2 prompts" in dflash.note
