@@ -93,8 +93,8 @@ def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_to
 
 def compare_llama_cpp(rows: list[PeerRow]) -> None:
     """llama.cpp's DFlash against its own autoregressive decoding of the same GGUF: greedy speculative
-    decoding should give the same answer, but its verify batches and single-token steps run different
-    quantised kernels. Per prompt: the first differing token of the two answers (their texts encoded
+    decoding should give the same answer; where it does not, its verify batches and its single-token
+    steps do not compute the same logits (quantised kernels can differ by batch size). Per prompt: the first differing token of the two answers (their texts encoded
     with the target's tokenizer; None: identical)."""
     by_name = {r.name: r for r in rows if not r.skipped}
     dflash, plain = by_name.get("llama.cpp-dflash"), by_name.get("llama.cpp")
