@@ -42,30 +42,22 @@ def run_section(name: str, res: dict) -> list[str]:
              *(["**Interrupted**: only the prompts that finished are counted.", ""] if res.get("interrupted") else []),
              f"T={s['temperature']}, {s['max_new_tokens']} new tokens, {len(res['prompts'])} prompts; "
              f"lossless (identical to the baseline): {res['lossless']}", "",
-             "| prompts | baseline tok/s | DFlash tok/s | speedup | tau |", "| --- | --- | --- | --- | --- |"]
+             "| prompts | baseline tok/s | DFlash tok/s | speedup | tau | loop share | loop-free tau | loop-free speedup |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cat, c in res.get("categories", {}).items():
         lines.append(f"| {cat or 'uncategorised'} ({c['prompts']}) | {c['baseline_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | "
-                     f"{c['speedup']:.2f}x | {c['tau']:.2f} |")
+                     f"{c['speedup']:.2f}x | {c['tau']:.2f} | {loop_cells(c)} |")
     lines.append(f"| **all** | {res['baseline_tokens_per_s']:.1f} | {res['spec_tokens_per_s']:.1f} | "
-                 f"{res['speedup']:.2f}x | {res['tau']:.2f} |")
+                 f"{res['speedup']:.2f}x | {res['tau']:.2f} | {loop_cells(res.get('loops', {}))} |")
     lines.append("")
+    if res.get("loops"):
+        lines += [f"Loop share: the tokens that end a run of {res['loops']['ngram']} tokens already generated earlier in the same "
+                  "answer (hetero_sd/loops.py); loop-free tau and speedup count only the other tokens.", ""]
     if any("spec_tokens" in r and "steps" not in r for r in res["prompts"]):  # JSON from before pooled rows
         lines += ["(In this file a category's tau is the mean of its prompts' taus; the **all** row pools every "
                   "verify step.)", ""]
     if res.get("peers"):
-        fractions = res.get("floor", {}).get("fraction_of_floor", {})
-        lines += ["| system | tok/s | vs hetero-sd DFlash | of its decode floor | note |", "| --- | --- | --- | --- | --- |"]
-        for label, tps in (("hetero-sd autoregressive", res["baseline_tokens_per_s"]),
-                           ("hetero-sd DFlash", res["spec_tokens_per_s"])):
-            lines.append(f"| {label} | {tps:.1f} | {tps / res['spec_tokens_per_s']:.2f}x | "
-                         f"{pct(fractions.get(label))} | this run |")
-        for p in res["peers"]:
-            if p["skipped"]:
-                lines.append(f"| {p['name']} | - | - | - | skipped: {p['note']} |")
-            else:
-                lines.append(f"| {p['name']} | {p['tokens_per_s']:.1f} | {ratio(p['ratio_to_spec'])} | "
-                             f"{pct(fractions.get(p['name']))} | {p['note']} |")
-        lines.append("")
+        lines += peers_table(res)
     if res["models"]["draft_device"] == "ane-sim":
         lines += ["`ane-sim` is an fp16 emulation of the ANE graph on the CPU: its tau and drift are meaningful, "
                   "its speed says nothing about the Neural Engine.", ""]
@@ -88,6 +80,57 @@ def pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def loop_cells(d: dict) -> str:
+    """loop share | loop-free tau | loop-free speedup (dashes where the JSON predates loop metrics)."""
+    speedup = d.get("speedup_loop_free")
+    return f"{pct(d.get('loop_share'))} | {num(d.get('tau_loop_free'))} | {'-' if speedup is None else f'{speedup:.2f}x'}"
+
+
+def peers_table(res: dict) -> list[str]:
+    """Our two modes and every peer: tok/s, tau where reported, ratios theirs / ours, loop share, weights."""
+    fractions = res.get("floor", {}).get("fraction_of_floor", {})
+    base, spec = res["baseline_tokens_per_s"], res["spec_tokens_per_s"]
+    lines = ["| system | tok/s | tau | vs hetero-sd DFlash | vs hetero-sd autoregressive | loop share | "
+             "of its decode floor | reads | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    share = pct(res.get("loops", {}).get("loop_share"))
+    m = res["models"]
+    source = f" (dequantised from {Path(m['gguf']).name})" if m.get("gguf") else ""
+    ours = (f"our HF target folder{source} and draft, target on {m['target_device']}, draft on "
+            f"{m['draft_device']} (float32 on cpu, bfloat16 on accelerators)")
+    for label, tps, tau in (("hetero-sd autoregressive", base, None), ("hetero-sd DFlash", spec, res["tau"])):
+        lines.append(f"| {label} | {tps:.1f} | {num(tau)} | {tps / spec:.2f}x | {tps / base:.2f}x | {share} | "
+                     f"{pct(fractions.get(label))} | {ours} | this run |")
+    for p in res["peers"]:
+        if p["skipped"]:
+            lines.append(f"| {p['name']} | - | - | - | - | - | - | - | skipped: {p['note']} |")
+            continue
+        lines.append(f"| {p['name']} | {p['tokens_per_s']:.1f} | {num(p.get('tau'))} | {ratio(p['ratio_to_spec'])} | "
+                     f"{ratio(p.get('ratio_to_autoregressive'))} | {pct(p.get('loop_share'))} | "
+                     f"{pct(fractions.get(p['name']))} | {p.get('weights') or '-'} | {p['note']}{identity(p)} |")
+    return lines + [""]
+
+
+def identity(p: dict) -> str:
+    """z-lab's reference: identical to our T=0 tokens, or per prompt the first differing token."""
+    if "identical" not in p:
+        return ""
+    if p["identical"]:
+        text = "; tokens identical to ours on every prompt"
+    else:
+        text = "; tokens differ from ours: " + ", ".join(
+            f"prompt {i} at token {q['first_divergence']}" for i, q in enumerate(p["prompts"]) if not q.get("identical", True))
+    steps = [(i, q["acceptance_differs_at_token"], q["tokens"]) for i, q in enumerate(p["prompts"])
+             if q.get("acceptance_differs_at_token") is not None]
+    if any("acceptance_differs_at_token" in q for q in p["prompts"]):
+        text += ("; acceptance lengths as ours on every prompt" if not steps else "; acceptance lengths differ from "
+                 + ", ".join(f"token {t} of {n} (prompt {i})" for i, t, n in steps))
+    return text
+
+
 def verdict(runs: list[tuple[str, dict]]) -> list[str]:
     """Where we are ahead and where behind, from the numbers: each of our two modes against each peer
     that ran, and DFlash against our own autoregressive decoding."""
@@ -100,8 +143,17 @@ def verdict(runs: list[tuple[str, dict]]) -> list[str]:
                 if not p["skipped"]:
                     ratio = tps / p["tokens_per_s"]
                     lines.append(f"  - our {ours} vs {p['name']}: {ratio:.2f}x "
-                                 f"({'ahead' if ratio > 1 else 'behind'}; {tps:.1f} vs {p['tokens_per_s']:.1f} tok/s)")
+                                 f"({'ahead' if ratio > 1 else 'behind'}; {tps:.1f} vs {p['tokens_per_s']:.1f} tok/s)"
+                                 + goal(ours, p["name"], ratio))
     return lines + [""]
+
+
+GOALS = {("DFlash", "llama.cpp-dflash"): 1.5, ("DFlash", "zlab-reference"): 2.0}  # issue 15: same draft, same prompts
+
+
+def goal(ours: str, peer: str, ratio: float) -> str:
+    target = GOALS.get((ours, peer))
+    return "" if target is None else f"; goal >= {target:g}x: {'met' if ratio >= target else 'not met'}"
 
 
 def chart(runs: list[tuple[str, dict]], out: str) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .drift import Drift
 from .errors import ConfigError
+from .loops import LOOP_NGRAM, add_counts, loop_counts, loop_figures, step_lengths
 from .prompts import Prompt
 from .runtime import Runtime, check_schedule
 from .stats import Stats
@@ -97,7 +98,8 @@ def drift_summary(device_runs: list, reference_runs: list) -> dict:
 def baseline_row(n: int, prompt: Prompt, base) -> dict:
     return {"index": n, "category": prompt.category, "prompt": prompt.text,
             "baseline_tokens": base.stats.num_generated_tokens, "baseline_s": base.stats.total_s,
-            "baseline_tokens_per_s": base.stats.tokens_per_s, "baseline_ids": base.token_ids}
+            "baseline_tokens_per_s": base.stats.tokens_per_s, "baseline_ids": base.token_ids,
+            **loops_row(base.token_ids)}
 
 
 def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
@@ -106,11 +108,21 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
         "spec_tokens": spec.stats.num_generated_tokens, "spec_s": spec.stats.total_s,
         "spec_tokens_per_s": spec.stats.tokens_per_s, "tau": spec.stats.tau,
         "steps": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens,
+        "accepted_per_step": spec.stats.accepted_per_step,
         "identical": diverges is None if temperature == 0 else None,
         "first_divergence": diverges if temperature == 0 else None,
         "draft_s": spec.stats.draft_s, "verify_s": spec.stats.verify_s,
-        "output": spec.text,
-    }
+        "output": spec.text, "output_ids": spec.token_ids,
+    } | loops_row(spec.token_ids, spec.stats.accepted_per_step,
+                  spec.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else None)
+
+
+def loops_row(ids: list[int], accepted_per_step: list[int] | None = None, speedup: float | None = None) -> dict:
+    """Loop counts of one answer (see loops.py) and its figures: loop share; with its verify steps,
+    tau and speedup on everything and on the loop-free part."""
+    lengths = None if accepted_per_step is None else step_lengths(accepted_per_step, len(ids))
+    counts = loop_counts(ids, lengths)
+    return {"loop": counts} | loop_figures(counts, speedup)
 
 
 def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temperature: float,
@@ -162,6 +174,7 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
         "schedule": main["schedule"], "tau": main["tau"], "speedup": main["speedup"],
         "baseline_tokens_per_s": base_tps, "spec_tokens_per_s": main["spec_tokens_per_s"],
         "lossless": main["lossless"], "schedules": schedules,
+        "loops": {"ngram": LOOP_NGRAM} | loop_figures(add_counts([r["loop"] for r in rows]), main["speedup"]),
         "acceptance_rate_per_position": total.acceptance_rate_per_position,
         "acceptance_length_histogram": total.acceptance_length_histogram,
         "draft_acceptance_rate": total.draft_acceptance_rate,
@@ -185,6 +198,7 @@ def categories(rows: list[dict]) -> dict:
         steps = sum(r["steps"] for r in mine)  # tau pooled over the set's steps, as the run's own tau is
         out[name] = {"prompts": len(mine), "baseline_tokens_per_s": base, "spec_tokens_per_s": spec,
                      "speedup": spec / base, "tau": (sum(r["accepted"] for r in mine) + steps) / max(steps, 1)}
+        out[name] |= loop_figures(add_counts([r["loop"] for r in mine]), spec / base)
     return out
 
 

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -197,7 +198,7 @@ def report(saver: Saver) -> None:
 def print_bench(res: dict) -> None:
     fmt = res["models"].get("draft_format") or "dflash"
     t = Table(title=f"hetero-sd bench: autoregressive baseline vs DFlash speculative decoding (draft: {fmt})")
-    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical"):
+    for col in ("#", "category", "tokens", "base tok/s", "spec tok/s", "speedup", "tau", "identical", "loops"):
         t.add_column(col, justify="right")
     for r in res["prompts"]:
         if "spec_tokens" not in r:  # only pipelined runs: per-prompt figures are in the schedule table
@@ -205,10 +206,15 @@ def print_bench(res: dict) -> None:
             continue
         t.add_row(str(r["index"]), r["category"], str(r["spec_tokens"]), f"{r['baseline_tokens_per_s']:.1f}",
                   f"{r['spec_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x",
-                  f"{r['tau']:.2f}", str(r["identical"]))
+                  f"{r['tau']:.2f}", str(r["identical"]), pct(r.get("loop_share")))
     t.add_row("all", "", "", f"{res['baseline_tokens_per_s']:.1f}", f"{res['spec_tokens_per_s']:.1f}",
-              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), style="bold")
+              f"{res['speedup']:.2f}x", f"{res['tau']:.2f}", str(res["lossless"]), pct(res.get("loops", {}).get("loop_share")),
+              style="bold")
     Console().print(t)
+    if res.get("loops", {}).get("tau_loop_free") is not None:
+        lp = res["loops"]
+        Console().print(f"loops (repeats of {lp['ngram']} tokens): {lp['loop_share']:.0%} of the tokens; loop-free part: "
+                        f"tau {lp['tau_loop_free']:.2f} (all {lp['tau_all']:.2f}), speedup {lp['speedup_loop_free']:.2f}x")
     print_details(res, "schedules (same prompts, same process)")
 
 
@@ -236,8 +242,8 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
         ids = [rt.encode(p.text)[0] for p in prompts]
         task = progress.add_task("peers", total=len(names) * len(ids))
         rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
-            task, advance=1, description=f"peer {name}"), draft=args.peer_draft)
-        res["peers"] = [r.to_dict(res["spec_tokens_per_s"]) for r in rows]
+            task, advance=1, description=f"peer {name}"), draft=args.peer_draft, ours=res["prompts"])
+        res["peers"] = [r.to_dict(res["spec_tokens_per_s"], res["baseline_tokens_per_s"]) for r in rows]
         for r in rows:
             if r.skipped:
                 progress.console.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
@@ -251,20 +257,48 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
 
 
 def print_peers(res: dict) -> None:
-    t = Table(title="peers (same prompts, same run)")
-    for col in ("system", "tok/s", "vs hetero-sd DFlash", "of the floor", "note"):
-        t.add_column(col, justify="right" if col != "note" else "left")
+    """Every system's tok/s as a ratio to ours (theirs / ours), tau where reported, loop share; the
+    notes (what each ran, what it reads, why it was skipped) below the table."""
+    t = Table(title="peers (same prompts, same run; ratios are theirs / ours)")
+    for col in ("system", "tok/s", "tau", "vs DFlash", "vs AR", "loops", "of floor"):
+        t.add_column(col, justify="right")
     fractions = res.get("floor", {}).get("fraction_of_floor", {})
-    own = [("hetero-sd autoregressive", res["baseline_tokens_per_s"]), ("hetero-sd DFlash", res["spec_tokens_per_s"])]
-    for name, tps in own:
-        t.add_row(name, f"{tps:.1f}", f"{tps / res['spec_tokens_per_s']:.2f}x", pct(fractions.get(name)), "this run")
+    base, spec, loops = res["baseline_tokens_per_s"], res["spec_tokens_per_s"], res.get("loops", {})
+    own = [("hetero-sd autoregressive", base, None), ("hetero-sd DFlash", spec, res["tau"])]
+    for name, tps, tau in own:
+        t.add_row(name, f"{tps:.1f}", num(tau), f"{tps / spec:.2f}x", f"{tps / base:.2f}x", pct(loops.get("loop_share")),
+                  pct(fractions.get(name)))
+    notes = []
     for r in res.get("peers", []):
         if r["skipped"]:
-            t.add_row(r["name"], "-", "-", "-", r["note"])
-        else:
-            t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_to_spec']:.2f}x", pct(fractions.get(r["name"])),
-                      r["note"])
-    Console().print(t)
+            t.add_row(r["name"], "-", "-", "-", "-", "-", "-")
+            notes.append(f"[yellow]{r['name']} skipped:[/] {escape(r['note'])}")
+            continue
+        t.add_row(r["name"], f"{r['tokens_per_s']:.1f}", num(r.get("tau")), f"{r['ratio_to_spec']:.2f}x",
+                  f"{r['ratio_to_autoregressive']:.2f}x", pct(r.get("loop_share")), pct(fractions.get(r["name"])))
+        notes.append(escape(f"{r['name']}: {r['note']}; reads {r['weights']}{identical(r)}"))
+    console = Console()
+    console.print(t)
+    for line in notes:
+        console.print(f"  {line}", markup=True, highlight=False)
+
+
+def num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def identical(peer: dict) -> str:
+    """z-lab's reference at T=0: identical to our tokens on every prompt, or where it first differs."""
+    if "identical" not in peer:
+        return ""
+    if peer["identical"]:
+        text = "; tokens identical to ours on every prompt"
+    else:
+        diffs = [f"#{i}@{p['first_divergence']}" for i, p in enumerate(peer["prompts"]) if not p.get("identical", True)]
+        text = f"; tokens differ from ours (prompt@token): {', '.join(diffs)}"
+    steps = [f"#{i}@{p['acceptance_differs_at_token']}/{p['tokens']}" for i, p in enumerate(peer["prompts"])
+             if p.get("acceptance_differs_at_token") is not None]
+    return text + (f"; acceptance lengths differ (prompt@token/tokens): {', '.join(steps)}" if steps else "")
 
 
 def pct(x) -> str:

@@ -105,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--schedule", default="sequential",
                    help="comma-separated schedules run on the same prompts: sequential, overlap, pipeline")
     b.add_argument("--peers", default=None,
-                   help="other systems on the same prompts: transformers, transformers-lookup, llama.cpp, mlx-lm, or all")
+                   help="other systems on the same prompts: transformers, transformers-lookup, llama.cpp, llama.cpp-dflash, "
+                        "zlab-reference, mlx-lm, mlx-lm-speculative, or all")
     b.add_argument("--peer-draft", default=None,
                    help="a small autoregressive model (HF folder, same tokenizer) for mlx-lm's speculative mode")
     b.add_argument("--floor", action="store_true", help="measure memory bandwidth and report the decode-step floor")

@@ -1,17 +1,21 @@
-"""Other systems on the same prompts, in the same process and run: transformers `generate`
-(autoregressive, and assisted generation with prompt lookup), llama.cpp through llama-cpp-python on
-the same GGUF, and mlx-lm. Each is optional: a peer that is not installed (or has no model to run)
-is skipped with a note saying how to get it."""
+"""Other systems on the same prompts and token ids, in the same run: transformers `generate`
+(autoregressive, and assisted generation with prompt lookup), llama.cpp (autoregressive, and its own
+DFlash on our draft converted to GGUF; binaries from benchmarks/build_llama_cpp.sh), z-lab's reference
+DFlash loop on our draft, and mlx-lm. Each is optional: a peer that is not installed (or has no model
+to run) is skipped with a note saying how to get it. Every answer gets the loop rule of loops.py."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-PEERS = ("transformers", "transformers-lookup", "llama.cpp", "mlx-lm", "mlx-lm-speculative")
+from .loops import add_counts, loop_counts, loop_figures
+
+PEERS = ("transformers", "transformers-lookup", "llama.cpp", "llama.cpp-dflash", "zlab-reference", "mlx-lm",
+         "mlx-lm-speculative")
 
 
 @dataclass
@@ -21,15 +25,40 @@ class PeerRow:
     seconds: float = 0.0
     note: str = ""
     skipped: bool = False
+    weights: str = ""  # which weights it reads, at what precision
+    prompts: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, loop counts, extras
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def to_dict(self, spec_tokens_per_s: float) -> dict:
+    def add(self, ids: list[int], seconds: float, tokens: int | None = None, lengths: list[int] | None = None,
+            **extra) -> None:
+        """One answer: its generated ids (for the loop rule), seconds, token count (default len(ids)),
+        the tokens each verify step emitted (speculative peers that report them) and peer-specific extras."""
+        counts = loop_counts(ids, lengths)
+        tokens = len(ids) if tokens is None else tokens
+        self.prompts.append({"tokens": tokens, "seconds": seconds, **extra, "loop": counts, "output_ids": list(ids)}
+                            | loop_figures(counts))
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def tau(self) -> float | None:
+        """Pooled over the verify steps of every prompt, for peers that report steps."""
+        steps = [(p["tau"], p["steps"]) for p in self.prompts if p.get("tau") is not None and p.get("steps")]
+        return sum(t * n for t, n in steps) / sum(n for _, n in steps) if steps else None
+
+    def to_dict(self, spec_tokens_per_s: float, base_tokens_per_s: float | None = None) -> dict:
         d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s,
-                 ratio_to_spec=self.tokens_per_s / spec_tokens_per_s if spec_tokens_per_s and not self.skipped else None)
+        ran = not self.skipped and self.seconds > 0
+        d.update(tokens_per_s=self.tokens_per_s, tau=self.tau,
+                 ratio_to_spec=self.tokens_per_s / spec_tokens_per_s if ran and spec_tokens_per_s else None,
+                 ratio_to_autoregressive=self.tokens_per_s / base_tokens_per_s if ran and base_tokens_per_s else None)
+        if any("identical" in p for p in self.prompts):
+            d["identical"] = all(p["identical"] for p in self.prompts)
+        if self.prompts:
+            d |= loop_figures(add_counts([p["loop"] for p in self.prompts]))
         return d
 
 
@@ -45,22 +74,51 @@ def peer_names(asked: str | None) -> list[str]:
 
 
 def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_tokens: int, tick=None,
-              draft: str | None = None) -> list[PeerRow]:
+              draft: str | None = None, ours: list[dict] | None = None) -> list[PeerRow]:
     """Greedy decoding of each prompt (token ids from our runtime's encoder, so every system sees the
     same input), up to max_new_tokens or EOS. tick(name) after every prompt; draft: the small
-    autoregressive model for mlx-lm's speculative mode."""
+    autoregressive model for mlx-lm's speculative mode; ours: this run's bench rows (output_ids, tau),
+    which z-lab's reference is checked against."""
     folder = Path(runtime.info["target"])
     rows = []
     for name in names:
         done = (lambda n=name: tick(n)) if tick else (lambda: None)
-        if name in ("transformers", "transformers-lookup"):
-            rows.append(hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done))
-        elif name == "llama.cpp":
-            rows.append(llama_cpp(runtime, prompt_ids, max_new_tokens, done))
-        else:
-            rows.append(mlx_lm(folder, prompt_ids, max_new_tokens, done,
-                               draft if name == "mlx-lm-speculative" else None, name))
+        try:
+            rows.append(one_peer(name, folder, runtime, prompt_ids, max_new_tokens, done, draft, ours or []))
+        except Exception as e:  # a broken peer must not lose the run: recorded as skipped, with why
+            rows.append(PeerRow(name, skipped=True, note=f"failed: {type(e).__name__}: {str(e)[:500]}"))
+    compare_llama_cpp(rows)
     return rows
+
+
+def compare_llama_cpp(rows: list[PeerRow]) -> None:
+    """llama.cpp's DFlash against its own autoregressive decoding of the same GGUF: greedy speculative
+    decoding should give the same answer; where it does not, its verify batches and its single-token
+    steps do not compute the same logits (quantised kernels can differ by batch size). Per prompt: the first differing token of the two answers (their texts encoded
+    with the target's tokenizer; None: identical)."""
+    by_name = {r.name: r for r in rows if not r.skipped}
+    dflash, plain = by_name.get("llama.cpp-dflash"), by_name.get("llama.cpp")
+    if not (dflash and plain):
+        return
+    from .bench import first_divergence
+
+    for a, b in zip(dflash.prompts, plain.prompts):
+        a["first_divergence_from_llama.cpp"] = first_divergence(b["output_ids"], a["output_ids"])
+    same = sum(p["first_divergence_from_llama.cpp"] is None for p in dflash.prompts)
+    dflash.note += f"; its answers equal llama.cpp's autoregressive ones on {same} of {len(dflash.prompts)} prompts"
+
+
+def one_peer(name, folder: Path, runtime, prompt_ids, max_new_tokens: int, done, draft, ours) -> PeerRow:
+    from .peers_llama import llama_cpp_peer
+    from .peers_zlab import zlab_reference
+
+    if name in ("transformers", "transformers-lookup"):
+        return hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done)
+    if name in ("llama.cpp", "llama.cpp-dflash"):
+        return llama_cpp_peer(runtime, prompt_ids, max_new_tokens, done, name)
+    if name == "zlab-reference":
+        return zlab_reference(runtime, prompt_ids, max_new_tokens, done, ours)
+    return mlx_lm(folder, prompt_ids, max_new_tokens, done, draft if name == "mlx-lm-speculative" else None, name)
 
 
 def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, done) -> PeerRow:
@@ -69,36 +127,42 @@ def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, don
     name = "transformers-lookup" if lookup else "transformers"
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
-    row = PeerRow(name, note="HF generate, float32, greedy" + (", prompt lookup (10 tokens)" if lookup else ""))
+    row = PeerRow(name, note="HF generate, greedy" + (", prompt lookup (10 tokens)" if lookup else ""),
+                  weights=f"float32, our HF target folder ({folder.name})")
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
         for ids in prompt_ids:
             began = time.perf_counter()
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
-            row.seconds += time.perf_counter() - began
-            row.tokens += out.shape[1] - len(ids)
+            row.add(out[0, len(ids):].tolist(), time.perf_counter() - began)
             done()
     return row
 
 
-def llama_cpp(runtime, prompt_ids, max_new_tokens: int, done) -> PeerRow:
+def llama_cpp(runtime, prompt_ids, max_new_tokens: int, done, name: str = "llama.cpp",
+              why: str = "") -> PeerRow:
+    """llama.cpp through llama-cpp-python (used when the binaries of benchmarks/build_llama_cpp.sh are
+    absent; `why` says so in the note). It has no DFlash: llama.cpp-dflash needs the binaries."""
+    if name == "llama.cpp-dflash":
+        return PeerRow(name, skipped=True, note=why)
     try:
         from llama_cpp import Llama
     except ImportError:
-        return PeerRow("llama.cpp", skipped=True,
-                       note="not installed: pip install llama-cpp-python (builds llama.cpp, ~5 min)")
+        return PeerRow(name, skipped=True, note=f"{why}; llama-cpp-python not installed either")
     gguf = runtime.info.get("gguf")
     if not gguf:
-        return PeerRow("llama.cpp", skipped=True, note="no GGUF for this target (the default target has one)")
+        return PeerRow(name, skipped=True, note="no GGUF for this target (the default target has one)")
     threads = torch.get_num_threads()
     llm = Llama(model_path=gguf, n_threads=threads, n_ctx=4096, verbose=False)
-    row = PeerRow("llama.cpp", note=f"llama-cpp-python, same GGUF ({Path(gguf).name}), {threads} threads, greedy")
+    row = PeerRow(name, note=f"llama-cpp-python ({why}), {threads} threads, greedy",
+                  weights=f"the target's GGUF as stored ({Path(gguf).name})")
     llm.create_completion(prompt_ids[0], max_tokens=4, temperature=0.0)  # warm-up
     for ids in prompt_ids:
         began = time.perf_counter()
         out = llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0)
-        row.seconds += time.perf_counter() - began
-        row.tokens += out["usage"]["completion_tokens"]
+        text = out["choices"][0]["text"]
+        row.add(runtime.tokenizer.encode(text, add_special_tokens=False), time.perf_counter() - began,
+                tokens=out["usage"]["completion_tokens"])
         done()
     return row
 
@@ -118,14 +182,13 @@ def mlx_lm(folder: Path, prompt_ids, max_new_tokens: int, done, draft: str | Non
         extra = {"draft_model": load(draft)[0], "num_draft_tokens": 4}
         note += f", speculative with draft {Path(draft).name} (4 tokens)"
     model, tokenizer = load(str(folder))
-    row = PeerRow(name, note=note)
+    row = PeerRow(name, note=note, weights=f"MLX load of our HF target folder ({folder.name})")
     for _ in stream_generate(model, tokenizer, prompt=prompt_ids[0], max_tokens=4, **extra):  # warm-up
         pass
     for ids in prompt_ids:
-        began, last = time.perf_counter(), None
-        for last in stream_generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens, **extra):
-            pass
-        row.seconds += time.perf_counter() - began
-        row.tokens += last.generation_tokens if last is not None else 0
+        began, out = time.perf_counter(), []
+        for r in stream_generate(model, tokenizer, prompt=ids, max_tokens=max_new_tokens, **extra):
+            out.append(int(r.token))
+        row.add(out, time.perf_counter() - began)
         done()
     return row

@@ -25,11 +25,22 @@ def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft)
     prompts.write_text('{"prompt": "t5 t9 t12", "category": "a"}\n{"prompt": "t20 t7", "category": "b"}\n')
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts),
-                 "--max-new-tokens", "10", "--peers", "transformers,llama.cpp", "--json", str(out)]) == 0
+                 "--max-new-tokens", "10", "--peers", "transformers,llama.cpp,llama.cpp-dflash,zlab-reference",
+                 "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {p["name"]: p for p in res["peers"]}
     assert rows["transformers"]["tokens_per_s"] > 0 and rows["transformers"]["ratio_to_spec"] > 0
-    assert rows["llama.cpp"]["skipped"] or rows["llama.cpp"]["tokens_per_s"] > 0  # no GGUF for a tiny target
+    assert rows["transformers"]["ratio_to_autoregressive"] > 0 and 0 <= rows["transformers"]["loop_share"] <= 1
+    for name in ("llama.cpp", "llama.cpp-dflash"):  # no GGUF for a tiny target, no llama.cpp build in tests
+        assert rows[name]["skipped"] and rows[name]["note"]
+    zlab = rows["zlab-reference"]
+    if not zlab["skipped"]:  # z-lab's package is in `make setup`; without it the row says how to get it
+        assert zlab["identical"] and [p["identical"] for p in zlab["prompts"]] == [True, True]
+        assert zlab["tau"] >= 1 and all(p["tau_ours"] >= 1 for p in zlab["prompts"])
+        assert all("acceptance_differs_at_token" in p for p in zlab["prompts"])
+    assert "pip install" in zlab["note"] or not zlab["skipped"]
+    assert 0 <= res["loops"]["loop_share"] <= 1 and res["loops"]["tau_loop_free"] >= 1
+    assert all(len(r["output_ids"]) == r["spec_tokens"] for r in res["prompts"])
     assert set(res["categories"]) == {"a", "b"}
     floor = res["floor"]
     assert floor["read_bandwidth_gb_s"] > 0 and floor["floor_tokens_per_s"] > 0
@@ -38,6 +49,8 @@ def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft)
                     "--chart", str(chart)], check=True)
     text = md.read_text()
     assert "Ahead and behind" in text and "transformers" in text and chart.stat().st_size > 1000
+    assert "| loop share | loop-free tau | loop-free speedup |" in text and "| llama.cpp-dflash | - |" in text
+    assert zlab["skipped"] or "tokens identical to ours on every prompt" in text
 
 
 def test_floor_counts_every_weight_once(tiny_llama):
@@ -53,8 +66,21 @@ def test_floor_counts_every_weight_once(tiny_llama):
 
 
 def test_peer_names_and_datasets():
-    assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "mlx-lm", "mlx-lm-speculative"]
+    assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "llama.cpp-dflash", "zlab-reference",
+                                 "mlx-lm", "mlx-lm-speculative"]
     with pytest.raises(ConfigError, match="unknown peer"):
         peer_names("vllm")
     both = load_prompts(dataset="math,summarize", limit=2)
     assert [p.category for p in both] == ["math", "math", "summarize", "summarize"]
+
+
+def test_llama_cpp_dflash_is_compared_with_llama_cpp_autoregressive():
+    from hetero_sd.peers import PeerRow, compare_llama_cpp
+
+    dflash, plain = PeerRow("llama.cpp-dflash"), PeerRow("llama.cpp")
+    for row, answers in ((dflash, [[1, 2, 3], [4, 5, 6]]), (plain, [[1, 2, 3], [4, 9, 6]])):
+        for ids in answers:
+            row.add(ids, 1.0)
+    compare_llama_cpp([dflash, plain])
+    assert [p["first_divergence_from_llama.cpp"] for p in dflash.prompts] == [None, 1]
+    assert "equal llama.cpp's autoregressive ones on 1 of 2 prompts" in dflash.note
