@@ -36,7 +36,11 @@ def prompt_crc(ids: list[int]) -> int:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    """As Runtime.encode puts a text prompt to a chat model."""
+    """As Runtime.encode puts a text prompt to a chat model (answers to plain text would teach the draft
+    another distribution than the one it serves, so a target without a chat template is refused)."""
+    if not tokenizer.chat_template:
+        raise ConfigError("self-distillation needs a chat model: the target's tokenizer has no chat template",
+                          "use an instruction-tuned target, or give its tokenizer a chat_template")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -127,8 +131,8 @@ def windows(prompts: list[TrainPrompt], tokenizer, size: int, max_tokens: int, c
 def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256, max_prompt_tokens: int = 384,
                     slots: int = 32, seed: int = 0, turns: str = "first", limit: int | None = None,
                     flush_rows: int = 512, flush_seconds: float = 900.0, progress: Path | None = None,
-                    log=print) -> dict:
-    """Answer the mix's prompts not yet in `out`; returns the final progress record."""
+                    prompts: list[TrainPrompt] | None = None, log=print) -> dict:
+    """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record."""
     from transformers import AutoTokenizer
 
     from ..config import ArchConfig, read_json
@@ -139,7 +143,9 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     stops = runtime_stop_ids(cfg, tokenizer, target_folder)
     store = ShardStore(out, manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns,
                                          max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens))
-    prompts, info = training_mix(seed, turns=turns)
+    info: dict = {"given": len(prompts)} if prompts is not None else {}
+    if prompts is None:
+        prompts, info = training_mix(seed, turns=turns)
     prompts = prompts[:limit] if limit else prompts
     done = store.done_keys()
     todo = [p for p in prompts if p.key not in done]
@@ -219,7 +225,7 @@ def prompt_texts(keys: Iterable[str]) -> dict[str, str]:
     return texts
 
 
-def load_distilled(folder: Path, target_folder: Path, log=print) -> list[dict]:
+def load_distilled(folder: Path, target_folder: Path, texts: dict[str, str] | None = None, log=print) -> list[dict]:
     """Training rows {index, source, key, prompt_ids, response_ids} from shards. A prompt whose text
     reads differently now (another Python's stdlib, another package version) fails its CRC and is left
     out, and the count is reported."""
@@ -227,7 +233,7 @@ def load_distilled(folder: Path, target_folder: Path, log=print) -> list[dict]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     stored = list(ShardStore.existing(folder).read())
-    texts = prompt_texts(r["key"] for r in stored)
+    texts = prompt_texts(r["key"] for r in stored) if texts is None else texts
     rows, missing, changed = [], 0, 0
     for r in stored:
         if r["key"] not in texts:
