@@ -1,7 +1,7 @@
 """Self-distillation speed: our batched generator (hetero_sd/train/batched.py) against transformers'
 batched `generate` (the previous recipe: batches of 48, sorted by prompt length, left-padded), on the same
-prompts in one process, in the order ours, transformers, ours (disturbances from other jobs fall on
-both). Also checks that the answers agree: with each other, and for a few prompts with the runtime's own
+prompts in one process, in the order ours, transformers, [ours in bfloat16,] ours (disturbances from
+other jobs fall on both). Also checks that the answers agree: with each other, and for a few prompts with the runtime's own
 greedy decoding.
 
     python benchmarks/datagen_speed.py --prompts 64 --max-new-tokens 256 --threads 1 \
@@ -29,14 +29,14 @@ def cpu_state() -> dict:
             "load_average_at_start": os.getloadavg()}
 
 
-def ours(folder, prompts, args, stops):
+def ours(folder, prompts, args, stops, dtype=torch.float32):
     from hetero_sd.train.batched import BatchedGenerator
 
     gen = BatchedGenerator(folder, slots=args.slots, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops)
-    began = time.perf_counter()
+                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype)
+    began, cpu = time.perf_counter(), time.process_time()
     answers = {a.key: a.response_ids for a in gen.generate(sorted(prompts, key=lambda p: len(p[1])))}
-    return answers, time.perf_counter() - began
+    return answers, time.perf_counter() - began, time.process_time() - cpu
 
 
 def transformers_generate(folder, prompts, args, stops):
@@ -45,7 +45,7 @@ def transformers_generate(folder, prompts, args, stops):
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     pad, answers = stops[0], {}
     ordered = sorted(prompts, key=lambda p: len(p[1]))
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for b in range(0, len(ordered), args.hf_batch):
         batch = ordered[b:b + args.hf_batch]
         width = max(len(ids) for _, ids in batch)
@@ -57,7 +57,7 @@ def transformers_generate(folder, prompts, args, stops):
         for (key, _), seq in zip(batch, out[:, width:].tolist()):
             cut = next((i + 1 for i, t in enumerate(seq) if t in stops), len(seq))
             answers[key] = seq[:cut]
-    return answers, time.perf_counter() - began
+    return answers, time.perf_counter() - began, time.process_time() - cpu
 
 
 def agreement(a: dict, b: dict) -> dict:
@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runtime-checks", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true",
+                    help="also ours in bfloat16 (weights, KV cache), between the float32 runs")
     ap.add_argument("--out", default="benchmarks/results/datagen_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -93,27 +95,48 @@ def main() -> None:
     prompts = [p for p in prompts if len(p[1]) <= args.max_prompt_tokens][:args.prompts]
     state = cpu_state()
     runs = []
-    for name, fn in [("ours", ours), ("transformers", transformers_generate), ("ours", ours)]:
-        answers, seconds = fn(folder, prompts, args, stops)
+    order = [("ours", ours), ("transformers", transformers_generate), ("ours", ours)]
+    if args.bf16:
+        def ours_bf16(*a):
+            return ours(*a, dtype=torch.bfloat16)
+        order = order[:2] + [("ours-bf16", ours_bf16)] + order[2:]
+    for name, fn in order:
+        answers, seconds, cpu = fn(folder, prompts, args, stops)
         tokens = sum(len(v) for v in answers.values())
-        runs.append({"generator": name, "seconds": round(seconds, 1), "tokens": tokens,
-                     "tokens_per_s": round(tokens / seconds, 1), "answers": answers})
-        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s", flush=True)
+        runs.append({"generator": name, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "tokens": tokens,
+                     "tokens_per_s": round(tokens / seconds, 1), "tokens_per_cpu_s": round(tokens / cpu, 1),
+                     "answers": answers})
+        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s "
+              f"({cpu:.1f} CPU s = {tokens / cpu:.1f} tokens per CPU s)", flush=True)
     checks = []
     for key, ids in prompts[:args.runtime_checks]:
         ref = rt.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
         checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == runs[0]["answers"][key]})
-    ours_rate = (runs[0]["tokens_per_s"] + runs[2]["tokens_per_s"]) / 2
+    def speedup(run: dict, unit: str) -> float:
+        return round(run[unit] / runs[1][unit], 2)
+
+    ours_float32 = {"generator": "ours", "tokens_per_s": (runs[0]["tokens_per_s"] + runs[-1]["tokens_per_s"]) / 2,
+                    "tokens_per_cpu_s": (runs[0]["tokens_per_cpu_s"] + runs[-1]["tokens_per_cpu_s"]) / 2}
+    extra = {}
+    if args.bf16:
+        extra = {"speedup_ours_bf16_vs_transformers": {u: speedup(runs[2], u) for u in ("tokens_per_s",
+                                                                                       "tokens_per_cpu_s")},
+                 "agreement_ours_bf16_vs_float32": agreement(runs[0]["answers"], runs[2]["answers"])}
     result = {
-        "what": "greedy self-distillation answers, float32, same prompts, one process: ours, transformers, ours",
+        "what": "greedy self-distillation answers, same prompts, one process: ours (float32), transformers "
+                "(float32), [ours bfloat16,] ours (float32)",
         "state": {**state, "load_average_at_end": os.getloadavg(), "torch_threads": args.threads,
                   "note": "2 shared cores; other helpers' jobs ran at the same time (see load averages)"},
         "settings": {k: getattr(args, k) for k in ("prompts", "max_new_tokens", "max_prompt_tokens", "slots",
                                                     "hf_batch", "threads")},
         "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs],
-        "speedup_ours_mean_vs_transformers": round(ours_rate / runs[1]["tokens_per_s"], 2),
+        # per CPU second: with 1 thread, what the process did when it ran; wall time also counts what
+        # other jobs on the 2 shared cores took from it, which changed between the runs
+        "speedup_ours_float32_vs_transformers": {u: speedup(ours_float32, u) for u in ("tokens_per_s",
+                                                                                      "tokens_per_cpu_s")},
         "agreement_ours_vs_transformers": agreement(runs[0]["answers"], runs[1]["answers"]),
-        "agreement_ours_run1_vs_run2": agreement(runs[0]["answers"], runs[2]["answers"]),
+        "agreement_ours_run1_vs_run2": agreement(runs[0]["answers"], runs[-1]["answers"]),
+        **extra,
         "runtime_greedy_checks": checks,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,9 @@ def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
 class Layer:
     """One decoder layer's weights, fused and transposed ([in, out]: the fast layout for MKL here)."""
 
-    def __init__(self, cfg: ArchConfig, t: dict, prefix: str, where: Path):
+    def __init__(self, cfg: ArchConfig, t: dict, prefix: str, where: Path, dtype: torch.dtype):
         def get(name, shape):
-            return take(t, prefix + name, shape, where).float()
+            return take(t, prefix + name, shape, where).to(dtype)
 
         h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         self.nq, self.nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -80,28 +80,29 @@ class BatchedGenerator:
     """Greedy answers for many prompts: `generate(prompts)` yields an Answer as each one finishes."""
 
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-                 stop_ids: Iterable[int] = ()):
+                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32):
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
         t = load_weights(folder)
         self.cfg, self.slots, self.max_new = cfg, slots, max_new_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
         h, v = cfg.hidden_size, cfg.vocab_size
-        self.embed = take(t, "model.embed_tokens.weight", (v, h), folder).float()
-        head = self.embed if cfg.tie_word_embeddings else take(t, "lm_head.weight", (v, h), folder).float()
+        self.dtype = dtype
+        self.embed = take(t, "model.embed_tokens.weight", (v, h), folder).to(dtype)
+        head = self.embed if cfg.tie_word_embeddings else take(t, "lm_head.weight", (v, h), folder).to(dtype)
         self.lm_head = head.t().contiguous()
-        self.norm = take(t, "model.norm.weight", (h,), folder).float()
-        self.layers = [Layer(cfg, t, f"model.layers.{i}.", folder) for i in range(cfg.num_hidden_layers)]
+        self.norm = take(t, "model.norm.weight", (h,), folder).to(dtype)
+        self.layers = [Layer(cfg, t, f"model.layers.{i}.", folder, dtype) for i in range(cfg.num_hidden_layers)]
         self.positions = max_prompt_tokens + max_new_tokens
         inv_freq, factor = inv_frequencies(cfg)
         ang = torch.outer(torch.arange(self.positions, dtype=torch.float32), inv_freq)
         ang = torch.cat([ang, ang], -1)
-        self.cos, self.sin = ang.cos() * factor, ang.sin() * factor
+        self.cos, self.sin = (ang.cos() * factor).to(dtype), (ang.sin() * factor).to(dtype)
 
     # -- the forward pass ---------------------------------------------------------------------------
 
     def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in self.layers]
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
@@ -121,7 +122,7 @@ class BatchedGenerator:
         return h + (F.silu(gate) * up) @ layer.w_down
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.lm_head
+        return (rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, cache, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
@@ -149,7 +150,7 @@ class BatchedGenerator:
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None]  # [rows, 1, 1, span]
         index = torch.arange(rows)
-        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
         for layer, (kc, vc) in zip(self.layers, cache):
             q, k, v = self.qkv(layer, rms_norm(h, layer.in_norm, self.cfg.rms_norm_eps), cos, sin)
             kc[index, :, pos], vc[index, :, pos] = k[:, :, 0], v[:, :, 0]
@@ -163,7 +164,7 @@ class BatchedGenerator:
         rows, kv = keys.shape[0], keys.shape[1]
         qg = q.reshape(rows, kv, -1, self.cfg.head_dim)  # [rows, kv, group, hd]: heads are kv-major
         scores = (qg @ keys.transpose(2, 3)) * self.cfg.head_dim ** -0.5 + bias
-        o = (scores.softmax(-1) @ values).reshape(rows, 1, layer.nq)
+        o = (scores.float().softmax(-1).to(values.dtype) @ values).reshape(rows, 1, layer.nq)
         h = h + o @ layer.wo
         gate, up = (rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps) @ layer.w_gate_up).chunk(2, -1)
         return h + (F.silu(gate) * up) @ layer.w_down

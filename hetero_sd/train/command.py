@@ -26,13 +26,17 @@ def add_parser(sub) -> None:
     t.add_argument("--out", help="output folder: the z-lab draft, checkpoint, data (not with --generate-only)")
     t.add_argument("--data", help="JSONL rows {index, prompt_ids, response_ids}; default OUT/data.jsonl")
     t.add_argument("--distill", metavar="DIR",
-                   help="self-distillation shards of the ShareGPT + stdlib mix: made or extended in DIR "
-                        "(resumable), then trained on")
-    t.add_argument("--generate-only", action="store_true", help="with --distill: make the data, do not train")
+                   help="self-distillation shards of the ShareGPT + stdlib mix in DIR: trained on as they are, "
+                        "or made/extended with --generate-only")
+    t.add_argument("--generate-only", action="store_true",
+                   help="with --distill: answer the mix's prompts not yet in DIR (resumable), do not train")
     t.add_argument("--sharegpt-turns", choices=["first", "all"], default="first",
                    help="with --distill: ShareGPT conversation openings only, or every human turn")
     t.add_argument("--mix-seed", type=int, default=0, help="with --distill: the order of the prompt mix")
     t.add_argument("--max-prompt-tokens", type=int, default=384, help="with --distill: longer prompts are left out")
+    t.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --distill: float32 answers are the runtime's greedy answers; bfloat16 ~2x faster, "
+                        "approximate")
     t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     t.add_argument("--prompts", type=int,
                    help="training prompts to answer with the target (default 1600; with --distill: the whole mix)")
@@ -47,6 +51,9 @@ def add_parser(sub) -> None:
     t.add_argument("--anchors", type=int, default=24)
     t.add_argument("--vocab", choices=["data", "full"], default="data",
                    help="softmax of the loss over the answers' tokens (~3x cheaper steps) or all tokens")
+    t.add_argument("--soft", type=float, default=0.0,
+                   help="weight of distillation from the target's distribution (its top-k per position)")
+    t.add_argument("--soft-top-k", type=int, default=32)
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -75,13 +82,17 @@ def run(args: argparse.Namespace) -> None:
 
 
 def distill_rows(target: Path, folder: Path, args: argparse.Namespace) -> list[dict]:
-    """Make or extend the shards (a finished mix costs only a look at them), then read them back."""
+    """--generate-only: make or extend the shards (hours: a background job). Otherwise: train on the
+    shards as they are, so that training can start while the data job goes on."""
+    if not args.generate_only:
+        return load_distilled(folder, target, log=lambda line: err.print(line, highlight=False))
     record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256,
                              max_prompt_tokens=args.max_prompt_tokens, slots=args.gen_batch_size, seed=args.mix_seed,
                              turns=args.sharegpt_turns, limit=args.prompts, progress=folder / "progress.json",
+                             dtype=args.gen_dtype,
                              log=lambda line: err.print(line, highlight=False, soft_wrap=True))
     err.print(f"self-distillation: {record}", highlight=False, soft_wrap=True)
-    return [] if args.generate_only else load_distilled(folder, target, log=err.print)
+    return []
 
 
 def jsonl_rows(target: Path, out: Path, args: argparse.Namespace) -> list[dict]:
@@ -102,7 +113,7 @@ def jsonl_rows(target: Path, out: Path, args: argparse.Namespace) -> list[dict]:
 def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace) -> None:
     cfg = TrainConfig(block_size=args.block_size, layers=args.layers, steps=args.steps, lr=args.lr,
                       accumulate=args.accumulate, anchors=args.anchors, eval_every=args.eval_every, seed=args.seed,
-                      vocab=args.vocab)
+                      vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError
 from .batched import Answer, BatchedGenerator
@@ -110,11 +111,11 @@ class ShardStore:
 
 
 def manifest_for(target_folder: Path, tokenizer, vocab_size: int, stop_ids, *, max_new_tokens: int,
-                 max_prompt_tokens: int, seed: int, turns: str) -> dict:
+                 max_prompt_tokens: int, seed: int, turns: str, dtype: str = "float32") -> dict:
     template = tokenizer.chat_template or ""
     return {"format": FORMAT, "target": Path(target_folder).name, "vocab_size": vocab_size,
             "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest(), "stop_ids": sorted(stop_ids),
-            "decoding": "greedy, float32", "max_new_tokens": max_new_tokens,
+            "decoding": f"greedy, {dtype}", "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens, "mix_seed": seed, "sharegpt_turns": turns}
 
 
@@ -131,8 +132,10 @@ def windows(prompts: list[TrainPrompt], tokenizer, size: int, max_tokens: int, c
 def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256, max_prompt_tokens: int = 384,
                     slots: int = 32, seed: int = 0, turns: str = "first", limit: int | None = None,
                     flush_rows: int = 512, flush_seconds: float = 900.0, progress: Path | None = None,
-                    prompts: list[TrainPrompt] | None = None, log=print) -> dict:
-    """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record."""
+                    prompts: list[TrainPrompt] | None = None, dtype: str = "float32", log=print) -> dict:
+    """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record.
+    dtype "bfloat16" is ~2x faster here (AMX) but its greedy answers leave float32's at near-ties
+    (benchmarks/results/datagen_speed.json): labels of a slightly different model."""
     from transformers import AutoTokenizer
 
     from ..config import ArchConfig, read_json
@@ -141,8 +144,9 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
     stops = runtime_stop_ids(cfg, tokenizer, target_folder)
-    store = ShardStore(out, manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns,
-                                         max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens))
+    manifest = manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns, dtype=dtype,
+                            max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens)
+    store = ShardStore(out, manifest)
     info: dict = {"given": len(prompts)} if prompts is not None else {}
     if prompts is None:
         prompts, info = training_mix(seed, turns=turns)
@@ -152,7 +156,7 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     log(f"mix: {info}; {len(done)} answered before, {len(todo)} to answer")
     counts = {"too_long": 0}
     gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
-                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops)
+                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops, dtype=getattr(torch, dtype))
     meter = Meter(len(prompts), len(done), progress, counts)
     stop_on_term()
     buffer: list[Answer] = []
