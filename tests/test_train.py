@@ -12,7 +12,7 @@ from backends.torch_backend import load_draft, load_target
 from hetero_sd.config import ArchConfig, DraftConfig, read_json
 from hetero_sd.draft_init import draft_config, write_draft
 from hetero_sd.train.model import TrainableDraft, TrainingVocab
-from hetero_sd.train.trainer import TrainConfig, init_from_target, train
+from hetero_sd.train.trainer import FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce, train
 from hetero_sd.weights import load_weights
 
 
@@ -117,3 +117,48 @@ def test_training_vocab_is_a_slice_of_the_full_head():
     hidden = torch.randn(2, 3, 8)
     full, part = hidden @ head.t(), hidden @ vocab.head.t()
     assert torch.allclose(part, full[..., vocab.ids])
+
+
+def test_soft_labels_from_a_one_hot_teacher_are_the_hard_labels():
+    """The teacher's row for label k of a block is position anchor+k-1 (it predicts token anchor+k): a
+    teacher sure of the true next token must give exactly the hard cross-entropy, with or without the
+    reduced vocabulary."""
+    torch.manual_seed(0)
+    block, v, k = 5, 11, 4
+    tokens = torch.randint(0, v, (20,))
+    anchors = torch.tensor([2, 7, 15])  # the last block runs past the end: those labels are ignored
+    labels = block_labels(tokens, anchors, block)
+    logq = torch.randn(3, block - 1, v).log_softmax(-1)
+    ids = torch.randint(0, v, (20, k))
+    ids[:, 0] = torch.roll(tokens, -1)
+    logp = torch.full((20, k), -1e4)
+    logp[:, 0] = 0.0
+    valid = labels >= 0
+    hard = -logq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    soft = soft_ce(logq, (logp, ids), anchors, block, None)
+    assert torch.allclose(soft[valid], hard[valid])
+    vocab = TrainingVocab([{"response_ids": tokens.tolist()}], torch.randn(v, 8), negatives=0)
+    part = logq[..., vocab.ids].log_softmax(-1)
+    mapped = vocab.labels(labels)
+    assert torch.allclose(soft_ce(part, (logp, ids), anchors, block, vocab)[valid],
+                          -part.gather(-1, mapped.clamp_min(0)[..., None])[..., 0][valid])
+
+
+def test_teacher_rows_are_the_targets_next_token_distributions(tiny_llama, self_distilled):
+    """Row p of the teacher is the target's distribution for token p+1: on the target's own greedy
+    answers its most likely token is the answer's next token, at every answer position."""
+    tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
+    cache = FeatureCache(tiny_llama, [0, 2], top_k=4)
+    for row in self_distilled[:5]:
+        ids, p = row["prompt_ids"] + row["response_ids"], len(row["prompt_ids"])
+        logp, top = cache.teacher(row["index"], ids)
+        assert top.shape == (len(ids), 4) and logp.shape == (len(ids), 4)
+        assert top[p - 1:-1, 0].tolist() == ids[p:]
+        assert cache(row["index"], ids).shape == (len(ids), 2 * tcfg.hidden_size)
+
+
+def test_training_on_the_targets_soft_labels_lowers_the_loss(tmp_path, tiny_llama, self_distilled):
+    cfg = dict(lr=1e-2, soft=1.0, soft_top_k=8)
+    first = train(tiny_llama, self_distilled, tmp_path / "d", small_config(steps=1, eval_every=1, **cfg))
+    last = train(tiny_llama, self_distilled, tmp_path / "d", small_config(steps=60, eval_every=60, **cfg))
+    assert last["history"][-1]["loss"] < first["history"][-1]["loss"] * 0.8

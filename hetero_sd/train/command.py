@@ -8,8 +8,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+import torch
+
+from ..errors import ConfigError
 from ..sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
+from .distill import generate_shards, load_distilled
 from .prompts import training_prompts
 from .trainer import TrainConfig, train
 
@@ -19,12 +23,26 @@ err = Console(stderr=True)
 def add_parser(sub) -> None:
     t = sub.add_parser("train-draft", help="train a DFlash draft for a target (self-distillation)")
     t.add_argument("--target", default="default")
-    t.add_argument("--out", required=True, help="output folder: the z-lab draft, checkpoint, data")
+    t.add_argument("--out", help="output folder: the z-lab draft, checkpoint, data (not with --generate-only)")
     t.add_argument("--data", help="JSONL rows {index, prompt_ids, response_ids}; default OUT/data.jsonl")
-    t.add_argument("--prompts", type=int, default=1600, help="training prompts to answer with the target")
+    t.add_argument("--distill", metavar="DIR",
+                   help="self-distillation shards of the ShareGPT + stdlib mix in DIR: trained on as they are, "
+                        "or made/extended with --generate-only")
+    t.add_argument("--generate-only", action="store_true",
+                   help="with --distill: answer the mix's prompts not yet in DIR (resumable), do not train")
+    t.add_argument("--sharegpt-turns", choices=["first", "all"], default="first",
+                   help="with --distill: ShareGPT conversation openings only, or every human turn")
+    t.add_argument("--mix-seed", type=int, default=0, help="with --distill: the order of the prompt mix")
+    t.add_argument("--max-prompt-tokens", type=int, default=384, help="with --distill: longer prompts are left out")
+    t.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --distill: float32 answers are the runtime's greedy answers; bfloat16 ~2x faster, "
+                        "approximate")
+    t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    t.add_argument("--prompts", type=int,
+                   help="training prompts to answer with the target (default 1600; with --distill: the whole mix)")
     t.add_argument("--code-fraction", type=float, default=0.5, help="share of stdlib code prompts")
-    t.add_argument("--max-new-tokens", type=int, default=200, help="length of the target's answers")
-    t.add_argument("--gen-batch-size", type=int, default=48)
+    t.add_argument("--max-new-tokens", type=int, help="length of the target's answers (default 200; --distill 256)")
+    t.add_argument("--gen-batch-size", type=int, default=48, help="answers generated at once")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--steps", type=int, default=1000)
@@ -33,6 +51,9 @@ def add_parser(sub) -> None:
     t.add_argument("--anchors", type=int, default=24)
     t.add_argument("--vocab", choices=["data", "full"], default="data",
                    help="softmax of the loss over the answers' tokens (~3x cheaper steps) or all tokens")
+    t.add_argument("--soft", type=float, default=0.0,
+                   help="weight of distillation from the target's distribution (its top-k per position)")
+    t.add_argument("--soft-top-k", type=int, default=32)
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -44,22 +65,55 @@ def bar(label: str) -> Progress:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.generate_only and not args.distill:
+        raise ConfigError("--generate-only makes --distill data", "add --distill DIR")
+    if not args.out and not args.generate_only:
+        raise ConfigError("train-draft needs --out for the trained draft", "add --out DIR")
     target = resolve_target(args.target)
-    out = Path(args.out)
+    if args.distill:
+        rows = distill_rows(target, Path(args.distill), args)
+        if args.generate_only:
+            return
+    else:
+        rows = jsonl_rows(target, Path(args.out), args)
+    train_on(target, rows, Path(args.out), args)
+
+
+def distill_rows(target: Path, folder: Path, args: argparse.Namespace) -> list[dict]:
+    """--generate-only: make or extend the shards (hours: a background job). Otherwise: train on the
+    shards as they are, so that training can start while the data job goes on."""
+    if not args.generate_only:
+        return load_distilled(folder, target, log=lambda line: err.print(line, highlight=False))
+    record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256,
+                             max_prompt_tokens=args.max_prompt_tokens, slots=args.gen_batch_size, seed=args.mix_seed,
+                             turns=args.sharegpt_turns, limit=args.prompts, progress=folder / "progress.json",
+                             dtype=args.gen_dtype,
+                             log=lambda line: err.print(line, highlight=False, soft_wrap=True))
+    err.print(f"self-distillation: {record}", highlight=False, soft_wrap=True)
+    return []
+
+
+def jsonl_rows(target: Path, out: Path, args: argparse.Namespace) -> list[dict]:
+    """The first recipe's data: 1600 template/stdlib prompts answered by transformers' generate."""
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else out / "data.jsonl"
     if not args.data:
-        prompts = training_prompts(args.prompts, args.code_fraction, args.seed)
+        prompts = training_prompts(args.prompts or 1600, args.code_fraction, args.seed)
         if len(done_indices(data)) < len(prompts):
             with bar("self-distillation data") as p:
                 task = p.add_task("", total=len(prompts))
-                generate_responses(target, prompts, data, max_new_tokens=args.max_new_tokens,
+                generate_responses(target, prompts, data, max_new_tokens=args.max_new_tokens or 200,
                                    batch_size=args.gen_batch_size,
                                    progress=lambda done, total: p.update(task, completed=len(prompts) - total + done))
-    rows = load_rows(data)
+    return load_rows(data)
+
+
+def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace) -> None:
     cfg = TrainConfig(block_size=args.block_size, layers=args.layers, steps=args.steps, lr=args.lr,
                       accumulate=args.accumulate, anchors=args.anchors, eval_every=args.eval_every, seed=args.seed,
-                      vocab=args.vocab)
+                      vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

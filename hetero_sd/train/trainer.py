@@ -11,6 +11,7 @@ import json
 import math
 import random
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class TrainConfig:
     seed: int = 0
     init: str = "target"  # "target": draft layers start as copies of the target's last layers
     vocab: str = "data"  # "data": the loss's softmax runs over the tokens of the answers (TrainingVocab)
+    soft: float = 0.0  # weight of distillation from the target's distribution (0: hard labels only)
+    soft_top_k: int = 32  # the target's distribution kept per position: its k most likely tokens
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -46,18 +49,42 @@ class TrainConfig:
 
 
 class FeatureCache:
-    """Target features per training sequence, computed on first use."""
+    """Target features per training sequence, computed on first use and kept (bf16) up to `budget_bytes`,
+    least recently used dropped first. With the first recipe's 1,600 answers all fit; with data at scale
+    (millions of tokens, ~5.8 KB of features per token for SmolLM2) they do not, and each sequence is
+    seen only a few times, so recomputing costs little over caching."""
 
-    def __init__(self, target_folder: Path, layer_ids: list[int]):
+    def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0):
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
         self.target = load_target(target_folder, cfg, "cpu", torch.float32, layer_ids)
-        self.store: dict[int, torch.Tensor] = {}
+        self.store: OrderedDict[int, tuple] = OrderedDict()
+        self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
 
     def __call__(self, index: int, tokens: list[int]) -> torch.Tensor:
-        if index not in self.store:
-            self.target.crop(0)
-            self.store[index] = self.target.forward(tokens, last_only=True).features.to(torch.bfloat16)
-        return self.store[index].float()
+        return self.entry(index, tokens)[0].float()
+
+    def teacher(self, index: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-k log-probabilities and token ids [S, k] at every position (position p: the
+        distribution of token p+1), from the same forward as the features."""
+        _, logp, ids = self.entry(index, tokens)
+        return logp.float(), ids.long()
+
+    def entry(self, index: int, tokens: list[int]) -> tuple:
+        if index in self.store:
+            self.store.move_to_end(index)
+            return self.store[index]
+        self.target.crop(0)
+        out = self.target.forward(tokens, last_only=self.top_k == 0)
+        entry = (out.features.to(torch.bfloat16),)
+        if self.top_k:
+            logp, ids = out.logits.log_softmax(-1).topk(self.top_k, -1)
+            entry += (logp.to(torch.bfloat16), ids.to(torch.int32))
+        self.store[index] = entry
+        self.bytes += sum(t.numel() * t.element_size() for t in entry)
+        while self.bytes > self.budget and len(self.store) > 1:
+            _, old = self.store.popitem(last=False)
+            self.bytes -= sum(t.numel() * t.element_size() for t in old)
+        return entry
 
 
 def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
@@ -94,15 +121,34 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int) -> tor
     return torch.where(pos < tokens.shape[0], tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
 
 
-def loss_fn(model: TrainableDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None):
+def loss_fn(model: TrainableDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None,
+            teacher: tuple[torch.Tensor, torch.Tensor] | None = None, soft: float = 0.0):
+    """Cross-entropy at each block position, weighted by position; with `teacher` (the target's top-k
+    log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's own
+    distribution there, renormalised over its top k (reference §5: soft labels)."""
     labels = block_labels(tokens, anchors, model.block_size)
-    if vocab is None:
-        logits = model.logits(model(features, tokens, anchors))
-    else:
-        logits, labels = model.logits(model(features, tokens, anchors), vocab.head), vocab.labels(labels)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
-    w = weights.expand_as(labels).flatten() * (labels.flatten() != -100)
+    head = None if vocab is None else vocab.head
+    logits = model.logits(model(features, tokens, anchors), head)
+    logq = logits.float().log_softmax(-1)
+    hard_labels = labels if vocab is None else vocab.labels(labels)
+    ce = -logq.gather(-1, hard_labels.clamp_min(0)[..., None])[..., 0]
+    if teacher is not None and soft > 0:
+        ce = (1 - soft) * ce + soft * soft_ce(logq, teacher, anchors, model.block_size, vocab)
+    w = weights.expand_as(labels) * (labels != -100) * (hard_labels != -100)
     return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def soft_ce(logq, teacher, anchors, block: int, vocab: TrainingVocab | None) -> torch.Tensor:
+    """-sum_j p_j log q_j over the target's top-k tokens at each label position [n, B-1]. Label k of a
+    block is token anchor+k; the target's distribution for it comes from position anchor+k-1. Tokens
+    outside this step's training vocabulary drop out of p (which is renormalised)."""
+    logp, ids = teacher
+    pos = (anchors[:, None] + torch.arange(block - 1)).clamp_max(logp.shape[0] - 1)
+    logp, ids = logp[pos], ids[pos]  # [n, B-1, k]
+    cols = ids if vocab is None else vocab.index[ids]
+    p = logp.softmax(-1) * (cols >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    return -(p * logq.gather(-1, cols.clamp_min(0))).sum(-1)
 
 
 @torch.no_grad()
@@ -132,7 +178,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
-    features = FeatureCache(target_folder, layer_ids)
+    features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0)
     model = TrainableDraft(raw, features.target.embed, features.target.lm_head.t())
     rows = sorted(rows, key=lambda r: r["index"])
     random.Random(cfg.seed).shuffle(rows)
@@ -164,7 +210,9 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
             ids = row["prompt_ids"] + row["response_ids"]
             tokens = torch.tensor(ids)
             anchors = sample_anchors(rng, len(row["prompt_ids"]), len(ids), cfg.anchors)
-            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights, vocab) / cfg.accumulate
+            teacher = features.teacher(row["index"], ids) if cfg.soft > 0 else None
+            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights, vocab, teacher,
+                           cfg.soft) / cfg.accumulate
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

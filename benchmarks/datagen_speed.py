@@ -1,0 +1,148 @@
+"""Self-distillation speed: our batched generator (hetero_sd/train/batched.py) against transformers'
+batched `generate` (the previous recipe: batches of 48, sorted by prompt length, left-padded), on the same
+prompts in one process, in the order ours, transformers, [ours in bfloat16,] ours (disturbances from
+other jobs fall on both). Also checks that the answers agree: with each other, and for a few prompts with the runtime's own
+greedy decoding.
+
+    python benchmarks/datagen_speed.py --prompts 64 --max-new-tokens 256 --threads 1 \
+        --out benchmarks/results/datagen_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def cpu_state() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "")
+    return {"cpu": model, "cores": os.cpu_count(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg()}
+
+
+def ours(folder, prompts, args, stops, dtype=torch.float32):
+    from hetero_sd.train.batched import BatchedGenerator
+
+    gen = BatchedGenerator(folder, slots=args.slots, max_new_tokens=args.max_new_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype)
+    began, cpu = time.perf_counter(), time.process_time()
+    answers = {a.key: a.response_ids for a in gen.generate(sorted(prompts, key=lambda p: len(p[1])))}
+    return answers, time.perf_counter() - began, time.process_time() - cpu
+
+
+def transformers_generate(folder, prompts, args, stops):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    pad, answers = stops[0], {}
+    ordered = sorted(prompts, key=lambda p: len(p[1]))
+    began, cpu = time.perf_counter(), time.process_time()
+    for b in range(0, len(ordered), args.hf_batch):
+        batch = ordered[b:b + args.hf_batch]
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch])
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=stops)
+        for (key, _), seq in zip(batch, out[:, width:].tolist()):
+            cut = next((i + 1 for i, t in enumerate(seq) if t in stops), len(seq))
+            answers[key] = seq[:cut]
+    return answers, time.perf_counter() - began, time.process_time() - cpu
+
+
+def agreement(a: dict, b: dict) -> dict:
+    same = sum(a[k] == b[k] for k in a)
+    prefix = [next((i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y), min(len(a[k]), len(b[k])))
+              for k in a if a[k] != b[k]]
+    return {"identical": same, "of": len(a), "first_difference_at": sorted(prefix)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--slots", type=int, default=48)
+    ap.add_argument("--hf-batch", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runtime-checks", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true",
+                    help="also ours in bfloat16 (weights, KV cache), between the float32 runs")
+    ap.add_argument("--out", default="benchmarks/results/datagen_speed.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import hetero_sd
+    from hetero_sd.default_model import default_target_folder
+    from hetero_sd.train.corpus import training_mix
+    from hetero_sd.train.distill import chat_ids
+
+    folder = default_target_folder()
+    rt = hetero_sd.load("default", None)
+    stops = rt.stop_ids
+    mix, _ = training_mix(seed=1)  # another order than the data job's (seed 0)
+    prompts = [(p.key, chat_ids(rt.tokenizer, p.text)) for p in mix[:args.prompts * 2]]
+    prompts = [p for p in prompts if len(p[1]) <= args.max_prompt_tokens][:args.prompts]
+    state = cpu_state()
+    runs = []
+    order = [("ours", ours), ("transformers", transformers_generate), ("ours", ours)]
+    if args.bf16:
+        def ours_bf16(*a):
+            return ours(*a, dtype=torch.bfloat16)
+        order = order[:2] + [("ours-bf16", ours_bf16)] + order[2:]
+    for name, fn in order:
+        answers, seconds, cpu = fn(folder, prompts, args, stops)
+        tokens = sum(len(v) for v in answers.values())
+        runs.append({"generator": name, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "tokens": tokens,
+                     "tokens_per_s": round(tokens / seconds, 1), "tokens_per_cpu_s": round(tokens / cpu, 1),
+                     "answers": answers})
+        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s "
+              f"({cpu:.1f} CPU s = {tokens / cpu:.1f} tokens per CPU s)", flush=True)
+    checks = []
+    for key, ids in prompts[:args.runtime_checks]:
+        ref = rt.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
+        checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == runs[0]["answers"][key]})
+    def speedup(run: dict, unit: str) -> float:
+        return round(run[unit] / runs[1][unit], 2)
+
+    ours_float32 = {"generator": "ours", "tokens_per_s": (runs[0]["tokens_per_s"] + runs[-1]["tokens_per_s"]) / 2,
+                    "tokens_per_cpu_s": (runs[0]["tokens_per_cpu_s"] + runs[-1]["tokens_per_cpu_s"]) / 2}
+    extra = {}
+    if args.bf16:
+        extra = {"speedup_ours_bf16_vs_transformers": {u: speedup(runs[2], u) for u in ("tokens_per_s",
+                                                                                       "tokens_per_cpu_s")},
+                 "agreement_ours_bf16_vs_float32": agreement(runs[0]["answers"], runs[2]["answers"])}
+    result = {
+        "what": "greedy self-distillation answers, same prompts, one process: ours (float32), transformers "
+                "(float32), [ours bfloat16,] ours (float32)",
+        "state": {**state, "load_average_at_end": os.getloadavg(), "torch_threads": args.threads,
+                  "note": "2 shared cores; other helpers' jobs ran at the same time (see load averages)"},
+        "settings": {k: getattr(args, k) for k in ("prompts", "max_new_tokens", "max_prompt_tokens", "slots",
+                                                    "hf_batch", "threads")},
+        "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs],
+        # per CPU second: with 1 thread, what the process did when it ran; wall time also counts what
+        # other jobs on the 2 shared cores took from it, which changed between the runs
+        "speedup_ours_float32_vs_transformers": {u: speedup(ours_float32, u) for u in ("tokens_per_s",
+                                                                                      "tokens_per_cpu_s")},
+        "agreement_ours_vs_transformers": agreement(runs[0]["answers"], runs[1]["answers"]),
+        "agreement_ours_run1_vs_run2": agreement(runs[0]["answers"], runs[-1]["answers"]),
+        **extra,
+        "runtime_greedy_checks": checks,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

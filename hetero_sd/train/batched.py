@@ -1,0 +1,254 @@
+"""Batched greedy generation for self-distillation data, on the target's own weights in plain torch.
+
+Why not transformers' `generate`: a batch there runs until its longest answer ends (rows that hit EOS
+keep computing padding) and every prompt in it is padded to the longest. Here the batch is a set of
+slots over one KV cache [slots, kv_heads, positions, head_dim] per layer, each slot at its own
+position: a row that reaches EOS leaves at once and the next prompt is prefilled into its slot, so
+every decode step does useful work for nearly every slot.
+
+The math is the runtime's float32 forward (RMSNorm statistics in float32, RoPE, GQA attention, SwiGLU),
+so greedy answers equal the runtime's own greedy decoding up to float rounding of batched matmuls.
+It is written here, not imported from backends.torch_backend, so that the data job does not depend on
+that backend's internals (which are being optimised for batch-1 decoding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from hetero_sd.config import ArchConfig, read_json
+from hetero_sd.weights import load_weights, take
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
+    if cfg.rope_scaling is None:
+        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+        return (1.0 / cfg.rope_theta ** exps).float(), 1.0
+    from backends.torch_backend.layers import inv_frequencies as scaled  # scaled RoPE comes from transformers
+    return scaled(cfg)
+
+
+class Layer:
+    """One decoder layer's weights, fused and transposed ([in, out]: the fast layout for MKL here)."""
+
+    def __init__(self, cfg: ArchConfig, t: dict, prefix: str, where: Path, dtype: torch.dtype):
+        def get(name, shape):
+            return take(t, prefix + name, shape, where).to(dtype)
+
+        h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.nq, self.nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        q, k, v = (get(f"self_attn.{n}_proj.weight", (m, h)) for n, m in (("q", self.nq), ("k", self.nkv),
+                                                                           ("v", self.nkv)))
+        self.wqkv = torch.cat([q, k, v]).t().contiguous()
+        self.bqkv = None
+        if cfg.attention_bias:
+            self.bqkv = torch.cat([get(f"self_attn.{n}_proj.bias", (m,))
+                                   for n, m in (("q", self.nq), ("k", self.nkv), ("v", self.nkv))])
+        self.wo = get("self_attn.o_proj.weight", (h, self.nq)).t().contiguous()
+        self.w_gate_up = torch.cat([get("mlp.gate_proj.weight", (i, h)),
+                                    get("mlp.up_proj.weight", (i, h))]).t().contiguous()
+        self.w_down = get("mlp.down_proj.weight", (h, i)).t().contiguous()
+        self.in_norm = get("input_layernorm.weight", (h,))
+        self.post_norm = get("post_attention_layernorm.weight", (h,))
+        self.q_norm = get("self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None
+        self.k_norm = get("self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None
+
+
+@dataclass
+class Answer:
+    key: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finished: bool  # ended with a stop token (else cut at max_new_tokens)
+
+
+class BatchedGenerator:
+    """Greedy answers for many prompts: `generate(prompts)` yields an Answer as each one finishes."""
+
+    def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
+                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32):
+        cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
+        t = load_weights(folder)
+        self.cfg, self.slots, self.max_new = cfg, slots, max_new_tokens
+        self.stop = set(stop_ids) or set(cfg.eos_token_ids)
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.dtype = dtype
+        self.embed = take(t, "model.embed_tokens.weight", (v, h), folder).to(dtype)
+        head = self.embed if cfg.tie_word_embeddings else take(t, "lm_head.weight", (v, h), folder).to(dtype)
+        self.lm_head = head.t().contiguous()
+        self.norm = take(t, "model.norm.weight", (h,), folder).to(dtype)
+        self.layers = [Layer(cfg, t, f"model.layers.{i}.", folder, dtype) for i in range(cfg.num_hidden_layers)]
+        self.positions = max_prompt_tokens + max_new_tokens
+        inv_freq, factor = inv_frequencies(cfg)
+        ang = torch.outer(torch.arange(self.positions, dtype=torch.float32), inv_freq)
+        ang = torch.cat([ang, ang], -1)
+        self.cos, self.sin = (ang.cos() * factor).to(dtype), (ang.sin() * factor).to(dtype)
+
+    # -- the forward pass ---------------------------------------------------------------------------
+
+    def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in self.layers]
+
+    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
+
+    def qkv(self, layer: Layer, h, cos, sin):
+        q, k, v = (h @ layer.wqkv if layer.bqkv is None else h @ layer.wqkv + layer.bqkv).split(
+            [layer.nq, layer.nkv, layer.nkv], -1)
+        q, k = self.heads(q, self.cfg.num_attention_heads), self.heads(k, self.cfg.num_key_value_heads)
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, self.cfg.rms_norm_eps), rms_norm(k, layer.k_norm, self.cfg.rms_norm_eps)
+        return rotate(q, cos, sin), rotate(k, cos, sin), self.heads(v, self.cfg.num_key_value_heads)
+
+    def finish_layer(self, layer: Layer, h, q, keys, values, mask):
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        h = h + o.transpose(1, 2).reshape(h.shape[0], h.shape[1], layer.nq) @ layer.wo
+        gate, up = (rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps) @ layer.w_gate_up).chunk(2, -1)
+        return h + (F.silu(gate) * up) @ layer.w_down
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, cache, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
+        """Run prompts (right-padded to one length) into the cache rows `slots`; greedy first tokens [n].
+
+        Padding sits after each prompt and the mask is causal, so it never reaches a real position; the
+        padded K/V rows are overwritten by the row's own later tokens and masked until then."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.cos[:width], self.sin[:width]
+        mask = torch.ones(width, width, dtype=torch.bool).tril()
+        for layer, (kc, vc) in zip(self.layers, cache):
+            q, k, v = self.qkv(layer, rms_norm(h, layer.in_norm, self.cfg.rms_norm_eps), cos, sin)
+            kc[slots, :, :width], vc[slots, :, :width] = k, v
+            h = self.finish_layer(layer, h, q, k, v, mask)
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        return self.logits(h[torch.arange(len(prompts)), last]).argmax(-1)
+
+    @torch.inference_mode()
+    def decode(self, cache, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token per cache row, each at its own position: greedy next tokens [rows]."""
+        rows, span = tokens.shape[0], int(pos.max()) + 1
+        h = F.embedding(tokens[:, None], self.embed)
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
+        mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None]  # [rows, 1, 1, span]
+        index = torch.arange(rows)
+        bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+        for layer, (kc, vc) in zip(self.layers, cache):
+            q, k, v = self.qkv(layer, rms_norm(h, layer.in_norm, self.cfg.rms_norm_eps), cos, sin)
+            kc[index, :, pos], vc[index, :, pos] = k[:, :, 0], v[:, :, 0]
+            h = self.finish_decode(layer, h, q, kc[:, :, :span], vc[:, :, :span], bias)
+        return self.logits(h[:, 0]).argmax(-1)
+
+    def finish_decode(self, layer: Layer, h, q, keys, values, bias):
+        """finish_layer for one query per row, attention written out: the CPU's fused SDPA kernel was
+        a third of a decode step at one query, this is a few % (the query heads sharing a K/V head go
+        in one matmul, so K/V are never repeated per head)."""
+        rows, kv = keys.shape[0], keys.shape[1]
+        qg = q.reshape(rows, kv, -1, self.cfg.head_dim)  # [rows, kv, group, hd]: heads are kv-major
+        scores = (qg @ keys.transpose(2, 3)) * self.cfg.head_dim ** -0.5 + bias
+        o = (scores.float().softmax(-1).to(values.dtype) @ values).reshape(rows, 1, layer.nq)
+        h = h + o @ layer.wo
+        gate, up = (rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps) @ layer.w_gate_up).chunk(2, -1)
+        return h + (F.silu(gate) * up) @ layer.w_down
+
+    # -- scheduling ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[tuple[str, list[int]]]) -> Iterator[Answer]:
+        """Answers in the order they finish. Prompts longer than max_prompt_tokens are an error: the
+        caller filters by length (it knows why a prompt is too long)."""
+        queue = iter(prompts)
+        rows = Rows(self.slots)
+        cache = self.new_cache(self.slots)
+        while True:
+            yield from self.finished(rows)  # after a decode step, or a prefill whose first token ends it
+            if rows.free() and not rows.exhausted:
+                self.refill(cache, rows, queue)
+                if any(self.done(rows, s) for s in rows.active()):
+                    continue
+            if not rows.active():
+                return
+            if rows.exhausted and len(rows.active()) <= 3 * len(rows.keys) // 4:
+                cache = rows.compact(cache)  # the tail: no prompts left to fill free slots
+            live = rows.active()
+            tokens = torch.tensor([rows.out[s][-1] if rows.keys[s] else 0 for s in range(len(rows.keys))])
+            pos = torch.tensor([rows.length[s] if rows.keys[s] else 0 for s in range(len(rows.keys))])
+            nxt = self.decode(cache, tokens, pos).tolist()
+            for s in live:
+                rows.length[s] += 1
+                rows.out[s].append(nxt[s])
+
+    def refill(self, cache, rows: "Rows", queue) -> None:
+        free = rows.free()
+        new = []
+        for s in free:
+            item = None if rows.exhausted else next(queue, None)
+            if item is None:
+                rows.exhausted = True
+                break
+            key, ids = item
+            if len(ids) > self.positions - self.max_new:
+                raise ValueError(f"prompt {key} has {len(ids)} tokens, more than max_prompt_tokens")
+            new.append((s, key, list(ids)))
+        if not new:
+            return
+        first = self.prefill(cache, torch.tensor([s for s, _, _ in new]), [ids for _, _, ids in new]).tolist()
+        for (s, key, ids), t in zip(new, first):
+            rows.start(s, key, ids, t)
+
+    def done(self, rows: "Rows", s: int) -> bool:
+        return rows.out[s][-1] in self.stop or len(rows.out[s]) >= self.max_new
+
+    def finished(self, rows: "Rows") -> Iterator[Answer]:
+        for s in rows.active():
+            if self.done(rows, s):
+                out = rows.out[s]
+                yield Answer(rows.keys[s], rows.prompt[s], out, out[-1] in self.stop)
+                rows.clear(s)
+
+
+class Rows:
+    """Who occupies which cache slot: key, prompt, answer so far, and the slot's next position."""
+
+    def __init__(self, n: int):
+        self.keys: list[str | None] = [None] * n
+        self.prompt: list[list[int]] = [[] for _ in range(n)]
+        self.out: list[list[int]] = [[] for _ in range(n)]
+        self.length = [0] * n
+        self.exhausted = False
+
+    def free(self) -> list[int]:
+        return [s for s, k in enumerate(self.keys) if k is None]
+
+    def active(self) -> list[int]:
+        return [s for s, k in enumerate(self.keys) if k is not None]
+
+    def start(self, s: int, key: str, prompt: list[int], first: int) -> None:
+        self.keys[s], self.prompt[s], self.out[s], self.length[s] = key, prompt, [first], len(prompt)
+
+    def clear(self, s: int) -> None:
+        self.keys[s], self.prompt[s], self.out[s], self.length[s] = None, [], [], 0
+
+    def compact(self, cache):
+        keep = self.active()
+        index = torch.tensor(keep)
+        for name in ("keys", "prompt", "out", "length"):
+            setattr(self, name, [getattr(self, name)[s] for s in keep])
+        return [(k[index], v[index]) for k, v in cache]
