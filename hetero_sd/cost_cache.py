@@ -1,13 +1,15 @@
 """Step costs per machine and placement, measured once and reused (the controller's cost model).
 
 A cost file is keyed by everything that changes what a step costs: the target and the draft (their
-folders and configs), the devices, the dtype, torch's thread count, the CPU and the torch version. Any
+folders and configs), the devices, the dtype, torch's thread count, the CPU, the torch version and the
+backends' own code (a faster kernel must not inherit the old costs). Any
 change gives another key, hence a fresh measurement; a file whose recorded key differs (a hash
 collision, an older format) is measured again and replaced."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -30,11 +32,20 @@ def source_id(folder: Path | str | None, spec: str) -> str:
     return f"{Path(folder).resolve()}#{digest}"
 
 
+def code_id(*backends) -> str:
+    """A hash of the source files of the packages the backends come from."""
+    digest = hashlib.sha1()
+    for folder in sorted({Path(inspect.getfile(type(b))).parent for b in backends}):
+        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cost_key(target_id: str, draft_id: str, target_device: str, draft_device: str, dtype: str,
-             block_size: int) -> dict:
+             block_size: int, code: str = "") -> dict:
     return {"format": FORMAT, "target": target_id, "draft": draft_id, "target_device": target_device,
             "draft_device": draft_device, "dtype": dtype, "block_size": block_size,
-            "threads": torch.get_num_threads(), "cpu": cpu_name(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "cpu": cpu_name(), "torch": torch.__version__, "code": code}
 
 
 def cost_path(key: dict) -> Path:

@@ -21,7 +21,7 @@ from backends.shadow import ShadowedDraft
 
 from . import decoding, validate
 from .controller import AutoBlock, FixedBlock, Memory
-from .cost_cache import cost_key, costs_for, source_id
+from .cost_cache import code_id, cost_key, costs_for, source_id
 from .config import ArchConfig, DraftConfig, read_json
 from .default_model import DEFAULT_TARGET
 from .devices import check_device, cpu_bound
@@ -425,7 +425,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
     info["cost_key"] = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
-                                str(getattr(t, "dtype", "mlx")), d.block_size)
+                                str(getattr(t, "dtype", "mlx")), d.block_size, code_id(t, d))
     rt = Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
     if block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

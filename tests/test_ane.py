@@ -76,7 +76,7 @@ def test_ane_sim_stays_finite_where_a_naive_fp16_draft_overflows(outlier_target,
 
 
 def test_ane_sim_decodes_losslessly_and_reports_drift(tiny_llama, tiny_draft):
-    rt = load(str(tiny_llama), str(tiny_draft), draft_device="ane-sim")
+    rt = load(str(tiny_llama), str(tiny_draft), draft_device="ane-sim", block_size="fixed")
     assert rt.info["draft_device"] == "ane-sim" and any("EMULATION" in n for n in rt.notes)
     base = rt.generate([5, 9, 12], max_new_tokens=20, speculative=False)
     spec = rt.generate([5, 9, 12], max_new_tokens=20)

@@ -88,7 +88,7 @@ CASES = [("autoregressive", SamplingParams(1.0)), ("match", SamplingParams(1.0))
 
 @pytest.mark.parametrize("rule,params", CASES, ids=[f"{r}-T{p.temperature}-k{p.top_k}-p{p.top_p}" for r, p in CASES])
 def test_samples_follow_the_target_distribution(pair, rule, params):
-    rt = hetero_sd.load(str(pair[0]), str(pair[1]))
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="fixed")
     samples, totals = sample_many(rt, params, speculative=rule != "autoregressive",
                                   rule="match" if rule == "autoregressive" else rule)
     p = chi_square_p(samples, exact_joint(pair[0], params))
@@ -106,7 +106,7 @@ def test_negative_control_catches_a_wrong_rejection_rule(pair, monkeypatch):
         return Verdict(len(drafted), drafted + [sampler.draw(p[len(drafted)][None])[0].item()])
 
     monkeypatch.setattr(sampling, "rejection", biased)
-    rt = hetero_sd.load(str(pair[0]), str(pair[1]))
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="fixed")
     params = SamplingParams(1.0)
     samples, _ = sample_many(rt, params, rule="rejection")
     assert chi_square_p(samples, exact_joint(pair[0], params)) < P_MIN
