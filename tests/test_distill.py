@@ -155,3 +155,12 @@ def test_a_target_without_chat_template_is_refused(tmp_path, tiny_llama):
     with pytest.raises(ConfigError, match="chat template"):
         generate_shards(folder, tmp_path / "s", max_new_tokens=4, max_prompt_tokens=8, slots=2,
                         prompts=word_prompts(2), log=lambda _: None)
+
+
+def test_cli_asks_for_what_it_needs(capsys):
+    from hetero_sd.cli import main
+
+    assert main(["train-draft", "--generate-only"]) == 2
+    assert "--distill DIR" in capsys.readouterr().err
+    assert main(["train-draft", "--distill", "somewhere"]) == 2
+    assert "--out" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from backends.torch_backend import load_draft, load_target
 from hetero_sd.config import ArchConfig, DraftConfig, read_json
 from hetero_sd.draft_init import draft_config, write_draft
 from hetero_sd.train.model import TrainableDraft, TrainingVocab
-from hetero_sd.train.trainer import FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce, train
+from hetero_sd.train.trainer import (FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce,
+                                     split_held_out, train)
 from hetero_sd.weights import load_weights
 
 
@@ -162,3 +163,20 @@ def test_training_on_the_targets_soft_labels_lowers_the_loss(tmp_path, tiny_llam
     first = train(tiny_llama, self_distilled, tmp_path / "d", small_config(steps=1, eval_every=1, **cfg))
     last = train(tiny_llama, self_distilled, tmp_path / "d", small_config(steps=60, eval_every=60, **cfg))
     assert last["history"][-1]["loss"] < first["history"][-1]["loss"] * 0.8
+
+
+def test_held_out_rows_of_growing_shards_were_never_trained_on():
+    """Shards grow between sessions; a row in the training part of a smaller data set must never be
+    held out from a larger one (its held-out tau would be measured on trained-on data)."""
+    rows = [{"index": i, "key": f"sharegpt:c{i}_0#0", "response_ids": [1, 2]} for i in range(400)]
+    seen_in_training: set[str] = set()
+    for size in (50, 120, 400):
+        held, rest = split_held_out(rows[:size], 8, seed=0)
+        assert len(held) == 8 and len(rest) == size - 8
+        assert not {r["key"] for r in held} & seen_in_training
+        seen_in_training |= {r["key"] for r in rest}
+    plain = [{"index": i, "response_ids": [1, 2]} for i in range(30)]  # the first recipe's rows: as before
+    order = list(range(30))
+    random.Random(3).shuffle(order)
+    held, rest = split_held_out(plain, 5, 3)
+    assert [r["index"] for r in held + rest] == order

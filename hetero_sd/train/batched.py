@@ -158,9 +158,9 @@ class BatchedGenerator:
         return self.logits(h[:, 0]).argmax(-1)
 
     def finish_decode(self, layer: Layer, h, q, keys, values, bias):
-        """finish_layer for one query per row, attention written out: the CPU's fused SDPA kernel was
-        a third of a decode step at one query, this is a few % (the query heads sharing a K/V head go
-        in one matmul, so K/V are never repeated per head)."""
+        """finish_layer for one query per row, attention written out: the query heads that share a K/V
+        head go in one matmul, so K/V are read once and never repeated per head. Measured with 48 rows
+        and spans up to 600: 2.6 ms per layer against 3.2 ms for the CPU's SDPA kernel."""
         rows, kv = keys.shape[0], keys.shape[1]
         qg = q.reshape(rows, kv, -1, self.cfg.head_dim)  # [rows, kv, group, hd]: heads are kv-major
         scores = (qg @ keys.transpose(2, 3)) * self.cfg.head_dim ** -0.5 + bias

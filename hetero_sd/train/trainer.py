@@ -11,6 +11,7 @@ import json
 import math
 import random
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,6 +86,22 @@ class FeatureCache:
             _, old = self.store.popitem(last=False)
             self.bytes -= sum(t.numel() * t.element_size() for t in old)
         return entry
+
+
+def split_held_out(rows: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held out, the rest in a seeded order). Rows with a prompt key (the distillation shards) are held
+    out by a hash of the key: the `count` smallest hashes. As the shards grow that threshold only falls,
+    so a row trained on in an earlier session never becomes a held-out row later."""
+    rows = sorted(rows, key=lambda r: r["index"])
+    if rows and all("key" in r for r in rows):
+        by_hash = sorted(rows, key=lambda r: zlib.crc32(r["key"].encode()))
+        held = by_hash[:count]
+        chosen = {id(r) for r in held}
+        rest = [r for r in rows if id(r) not in chosen]
+        random.Random(seed).shuffle(rest)
+        return held, rest
+    random.Random(seed).shuffle(rows)
+    return rows[:count], rows[count:]
 
 
 def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
@@ -180,9 +197,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0)
     model = TrainableDraft(raw, features.target.embed, features.target.lm_head.t())
-    rows = sorted(rows, key=lambda r: r["index"])
-    random.Random(cfg.seed).shuffle(rows)
-    held, train_rows = rows[:cfg.held_out], [r for r in rows[cfg.held_out:] if len(r["response_ids"]) > 1]
+    held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
+    train_rows = [r for r in rest if len(r["response_ids"]) > 1]
     vocab = TrainingVocab(train_rows, model.frozen["lm_head"]) if cfg.vocab == "data" else None
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     out.mkdir(parents=True, exist_ok=True)
