@@ -13,7 +13,7 @@ from hetero_sd.config import DraftConfig
 from hetero_sd.weights import take
 
 from ..base import DraftBackend
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, orient, rms_norm
 
 
 class TorchDraft(CacheOwner, DraftBackend):
@@ -24,13 +24,13 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
         h = arch.hidden_size
-        self.fc = take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype).t().contiguous()
+        self.fc = orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype))
         self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
         self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
         self.blocks = [Block(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype))
                        for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
-        self.embed, self.lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
+        self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype))
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None

@@ -1,8 +1,13 @@
 """Llama/Qwen3 decoder pieces in plain torch, shared by the target and the DFlash draft.
 
-Projections are fused (q|k|v and gate|up) and stored transposed ([in, out]) at load time. On this
-CPU, MKL multiplies a 16-row block by a pre-transposed weight ~4x faster than F.linear does with the
-[out, in] layout (benchmarks/matmul_layout.py), and the verify pass is exactly that shape."""
+Projections are fused (q|k|v and gate|up) and presented as [in, out] matrices (`x @ W_t`), stored in
+whichever memory layout multiplies fastest for their dtype (see `orient`):
+- float32: contiguous [in, out]. MKL multiplies a 16-row block by a pre-transposed weight ~4x faster
+  than F.linear does with the [out, in] layout (benchmarks/matmul_layout.py, AVX2 EPYC).
+- bfloat16 on the CPU: the transposed view of a contiguous [out, in] weight, multiplied as (W @ x^T)^T.
+  That operand order reaches oneDNN's AMX/AVX512-BF16 GEMM; x @ W_t and F.linear take slower paths
+  (lm_head at 16 rows on a Sapphire Rapids core: 3.8 ms vs 7-12 ms; float32 38 ms). One row is padded to
+  two, since a single row falls to a GEMV that is no faster than float32 (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -19,10 +24,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def row_major(device, dtype: torch.dtype) -> bool:
+    """Whether weights of this dtype are kept [out, in] in memory (see the module docstring)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+
+
+def orient(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] weight as the [in, out] matrix `linear` takes, in the layout that is fastest for it."""
+    return weight.contiguous().t() if row_major(weight.device, weight.dtype) else weight.t().contiguous()
+
+
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with W stored transposed."""
-    y = x @ weight_t
+    """x @ W^T for W presented as [in, out]: contiguous, or the transposed view of a row-major W."""
+    y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())
     return y if bias is None else y + bias
+
+
+def rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T computed as (w @ x^T)^T for a contiguous w [out, in]; rows are computed independently
+    (identical results for a row alone or in a block), so decode and verify agree exactly."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if rows == 1:
+        flat = torch.cat([flat, flat])  # one row would take the slow GEMV path
+    y = (w @ flat.t()).t()[:rows].contiguous()
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
@@ -121,13 +147,13 @@ class Block:
         self.cfg = cfg
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
-        self.wqkv = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]).t().contiguous()
+        self.wqkv = orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
         self.wkv = self.wqkv[:, self.nq:]  # k|v only, for the draft's context features
         self.bqkv = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None
         self.bkv = None if self.bqkv is None else self.bqkv[self.nq:]
-        self.wo = w["o_proj"].t().contiguous()
-        self.w_gate_up = torch.cat([w["gate_proj"], w["up_proj"]]).t().contiguous()
-        self.w_down = w["down_proj"].t().contiguous()
+        self.wo = orient(w["o_proj"])
+        self.w_gate_up = orient(torch.cat([w["gate_proj"], w["up_proj"]]))
+        self.w_down = orient(w["down_proj"])
         self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 

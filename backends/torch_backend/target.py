@@ -14,7 +14,7 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.weights import take
 
 from ..base import TargetBackend, TargetOutput, feature_parts
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, orient, rms_norm
 
 
 class TorchTarget(CacheOwner, TargetBackend):
@@ -26,7 +26,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         h, v = cfg.hidden_size, cfg.vocab_size
         self.embed = take(tensors, "model.embed_tokens.weight", (v, h), where).to(device, dtype)
         head = self.embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
-        self.lm_head = head.to(device, dtype).t().contiguous()  # [hidden, vocab]: see layers.linear
+        self.lm_head = orient(head.to(device, dtype))  # [hidden, vocab] as layers.linear takes it
         self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
         self.blocks = [Block(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype))
                        for i in range(cfg.num_hidden_layers)]
