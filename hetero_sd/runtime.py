@@ -394,7 +394,10 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
     dtype = resolve_dtype(dtype, device)
     if device == "cpu" and dtype != torch.float32 and notes is not None:
         notes.append(target_dtype_note(dtype))
-    return torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
+    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
+    if notes is not None:
+        notes += target.notes  # e.g. the float32 kernel did not build here
+    return target
 
 
 def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors: dict, notes: list[str]):

@@ -39,7 +39,7 @@ def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str,
     tensors = tensors if tensors is not None else load_weights(folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
     return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
-                      feature_size, mask_token_id, target.max_context)
+                      feature_size, mask_token_id, target.max_context, getattr(target, "mm_head", None))
 
 
 def as_torch(x) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from hetero_sd.config import ArchConfig
 
+from .gemm import KernelUnavailable, Packed
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in float32 as in HF Llama/Qwen3; result cast back before the weight.
@@ -34,10 +36,30 @@ def orient(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous().t() if row_major(weight.device, weight.dtype) else weight.t().contiguous()
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for W presented as [in, out]: contiguous, or the transposed view of a row-major W."""
-    y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())
+def linear(x: torch.Tensor, weight_t, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for W presented as [in, out]: contiguous, the transposed view of a row-major W, or packed
+    for the float32 kernel (gemm.Packed, see `multiplier`)."""
+    if isinstance(weight_t, Packed):
+        y = weight_t(x)
+    else:
+        y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())
     return y if bias is None else y + bias
+
+
+def multiplier(weight_t: torch.Tensor, notes: list[str] | None = None):
+    """What `linear` should multiply by: float32 CPU weights packed for the decoding GEMM (gemm.py), when
+    its kernel builds on this CPU (otherwise the reason goes to `notes`, once); others as they are."""
+    if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32:
+        return weight_t
+    try:
+        return Packed(weight_t)
+    except KernelUnavailable as e:
+        if notes is not None and not any(n.startswith(KERNEL_NOTE) for n in notes):
+            notes.append(f"{KERNEL_NOTE}: {e}; float32 matmuls use torch's (slower for verify-sized blocks)")
+        return weight_t
+
+
+KERNEL_NOTE = "float32 decoding GEMM kernel unavailable"
 
 
 def rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -141,9 +163,11 @@ class CacheOwner:
 
 
 class Block:
-    """One pre-norm decoder layer with fused weights (no nn.Module: inference only)."""
+    """One pre-norm decoder layer with fused weights (no nn.Module: inference only). The w* tensors are
+    the weights as [in, out] matrices (for other consumers: the ANE compiler, floors); the mm_* are what
+    the forward multiplies by (see `multiplier`)."""
 
-    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], notes: list[str] | None = None):
         self.cfg = cfg
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
@@ -156,17 +180,28 @@ class Block:
         self.w_down = orient(w["down_proj"])
         self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.notes = notes
+        self.mm_qkv, self.mm_o = multiplier(self.wqkv, notes), multiplier(self.wo, notes)
+        self.mm_gate_up, self.mm_down = multiplier(self.w_gate_up, notes), multiplier(self.w_down, notes)
+        self._mm_kv = None
+
+    @property
+    def mm_kv(self):
+        """k|v only (the draft's context features): packed on first use, the target never needs it."""
+        if self._mm_kv is None:
+            self._mm_kv = multiplier(self.wkv, self.notes)
+        return self._mm_kv
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
 
     def project_qkv(self, x, cos, sin):
         """x: normed input [1, T, H] -> q [1, nh, T, hd], k/v [1, nkv, T, hd] with norms and RoPE."""
-        q, k, v = linear(x, self.wqkv, self.bqkv).split([self.nq, self.nkv, self.nkv], -1)
+        q, k, v = linear(x, self.mm_qkv, self.bqkv).split([self.nq, self.nkv, self.nkv], -1)
         return self.finish_q(q, cos, sin), self.finish_k(k, cos, sin), self.heads(v, self.cfg.num_key_value_heads)
 
     def project_kv(self, x, cos, sin):
-        k, v = linear(x, self.wkv, self.bkv).split([self.nkv, self.nkv], -1)
+        k, v = linear(x, self.mm_kv, self.bkv).split([self.nkv, self.nkv], -1)
         return self.finish_k(k, cos, sin), self.heads(v, self.cfg.num_key_value_heads)
 
     def finish_q(self, q, cos, sin):
@@ -185,9 +220,9 @@ class Block:
         """Attention output projected and added to the residual, then the MLP half of the block."""
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=keys.shape[1] != q.shape[1])
-        h = h + linear(o.transpose(1, 2).reshape(h.shape[0], h.shape[1], self.nq), self.wo)
-        gate, up = linear(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps), self.w_gate_up).chunk(2, -1)
-        return h + linear(F.silu(gate) * up, self.w_down)
+        h = h + linear(o.transpose(1, 2).reshape(h.shape[0], h.shape[1], self.nq), self.mm_o)
+        gate, up = linear(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps), self.mm_gate_up).chunk(2, -1)
+        return h + linear(F.silu(gate) * up, self.mm_down)
 
 
 LAYER_TENSORS = {
