@@ -1,14 +1,17 @@
 """A float32 GEMM for the shapes of decoding: a few rows (1 to ~16) times a weight that streams from memory.
 
-Why not torch's matmul: for M = 16 rows MKL's sgemm re-packs the whole weight on every call (an extra
-read and write of it: the lm_head is 113 MB) and reaches ~20-30% of the AVX-512 peak; a verify of 16
-tokens then costs ~2.6 decode steps where the hardware allows ~1. Here the weight is packed once at load
+Why not torch's matmul: for M = 16 rows MKL's sgemm reaches ~20-30% of the AVX-512 peak (its pre-packed
+variant is ~1.5x faster, which points at per-call packing of the weight, but its packed copy is ~5x the
+weight's size); a verify of 16 tokens then costs ~2.5 decode steps where the hardware allows ~1. Here the weight is packed once at load
 into tiles of NB columns ([N/NB][K][NB], each tile a contiguous stream) and each tile is multiplied by up
 to R rows held in vector registers (AVX-512: R=8 rows x 48 columns = 24 zmm accumulators; AVX2: R=4 x 24).
 
-Every output is the sum over k in order 0..K-1 with one FMA per term, whatever M is: a row gives
-bitwise the same result alone (decode) or in a block (verify). The C++ is compiled once by
-torch.utils.cpp_extension into its cache (~/.cache/torch_extensions) and reused by every later run."""
+Every output is summed in the same order whatever M is (a row gives bitwise the same result in any
+block of 2 or more rows), in float32 chunks of 32 terms added in float64: more accurate than MKL's sgemm.
+One row (a decode step) goes to MKL's GEMV instead, which streams a single row ~1.5x faster than these
+tiles on one core; decode results are then exactly those of the previous code (torch's matmul).
+The C++ is compiled once by torch.utils.cpp_extension into its cache (~/.cache/torch_extensions) and
+reused by every later run."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ SOURCE = r"""
 // in L1) and rounded once at the end. Rounding error: ~KC terms' worth instead of K's (MKL blocks K too,
 // by a few hundred): at least as accurate as torch's matmul, and the same for any number of rows.
 constexpr int64_t KC = 32;
+constexpr int64_t PF = 16;  // rows of a tile prefetched ahead (16 x 192 bytes = 3 KB)
 
 template <int R>
 __attribute__((target("avx512f"))) static void tile512(const float* x, int64_t ldx, const float* w, int64_t K,
@@ -40,6 +44,11 @@ __attribute__((target("avx512f"))) static void tile512(const float* x, int64_t l
     const int64_t k1 = std::min(K, k0 + KC);
     for (int64_t k = k0; k < k1; ++k) {
       const float* wk = w + k * 48;
+      // the weight streams from memory once: ask for it PF rows ahead (hardware prefetch alone leaves a
+      // single core at about half of what MKL's GEMV reaches on one row)
+      _mm_prefetch((const char*)(wk + PF * 48), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wk + PF * 48 + 16), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wk + PF * 48 + 32), _MM_HINT_T0);
       __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
       for (int r = 0; r < R; ++r) {
         __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
@@ -72,6 +81,8 @@ __attribute__((target("avx2,fma"))) static void tile256(const float* x, int64_t 
     const int64_t k1 = std::min(K, k0 + KC);
     for (int64_t k = k0; k < k1; ++k) {
       const float* wk = w + k * 24;
+      _mm_prefetch((const char*)(wk + PF * 24), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wk + PF * 24 + 16), _MM_HINT_T0);
       __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
       for (int r = 0; r < R; ++r) {
         __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
@@ -177,11 +188,14 @@ class Packed:
     def __init__(self, weight_t: torch.Tensor):
         self.ext, self.avx512 = extension(), isa() == "avx512"
         self.k, self.n = weight_t.shape
+        self.weight_t = weight_t
         self.source = self.identity(weight_t)
         self.tiles = self.ext.pack(weight_t.contiguous(), 48 if self.avx512 else 24)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.k)
+        if flat.shape[0] == 1:  # a decode step: MKL's GEMV streams one row ~1.5x faster than the tiles
+            return x @ self.weight_t
         y = self.ext.gemm(flat if flat.is_contiguous() else flat.contiguous(), self.tiles, self.n, self.avx512)
         return y.view(*x.shape[:-1], self.n) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.n)
 
