@@ -14,6 +14,8 @@ import json
 import os
 import statistics
 
+import torch
+
 from backends.torch_backend import gemm
 from hetero_sd.bench import machine
 from hetero_sd.costs import Costs, measure_costs
@@ -42,7 +44,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", required=True)
     ap.add_argument("--bf16-target", action="store_true", help="also the (different, opt-in) bf16 target")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants = {"before": runtime(False, "float32", None), "after": runtime(True, None, None)}
     if args.bf16_target:
         variants["after, bf16 target"] = runtime(True, None, "bfloat16")

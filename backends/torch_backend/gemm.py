@@ -26,94 +26,81 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <vector>
 
-// R rows of x [., K] times one packed tile w [K][NB] -> y[r][0..NB). The sum over k runs in chunks of KC
-// terms accumulated in float32 registers; the chunk sums are added in float64 (in `acc`, R*NB doubles,
-// in L1) and rounded once at the end. Rounding error: ~KC terms' worth instead of K's (MKL blocks K too,
-// by a few hundred): at least as accurate as torch's matmul, and the same for any number of rows.
+// R rows of x [., K] times the rows k0..k1 (one chunk) of a packed tile w [K][NB]: the chunk's sums are
+// accumulated in float32 registers, then added in float64 to acc[r][0..NB). Every output is thus summed
+// in the same order whatever the number of rows: chunks of KC terms in float32, chunks added in float64
+// (rounding error ~KC terms' worth instead of K's: more accurate than MKL's sgemm).
 constexpr int64_t KC = 32;
-constexpr int64_t PF = 16;  // rows of a tile prefetched ahead (16 x 192 bytes = 3 KB)
+constexpr int64_t PF = 16;  // tile rows prefetched ahead (16 x 192 bytes = 3 KB)
 
 template <int R>
-__attribute__((target("avx512f"))) static void tile512(const float* x, int64_t ldx, const float* w, int64_t K,
-                                                        float* y, int64_t ldy, double* acc) {
-  for (int i = 0; i < R * 48; ++i) acc[i] = 0.0;
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    __m512 a[R][3];
-    for (int r = 0; r < R; ++r) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); a[r][2] = _mm512_setzero_ps(); }
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* wk = w + k * 48;
-      // the weight streams from memory once: ask for it PF rows ahead (hardware prefetch alone leaves a
-      // single core at about half of what MKL's GEMV reaches on one row)
-      _mm_prefetch((const char*)(wk + PF * 48), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wk + PF * 48 + 16), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wk + PF * 48 + 32), _MM_HINT_T0);
-      __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
-      for (int r = 0; r < R; ++r) {
-        __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-        a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
-        a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
-      }
-    }
+__attribute__((target("avx512f"))) static void chunk512(const float* x, int64_t ldx, const float* w, int64_t k0,
+                                                         int64_t k1, double* acc) {
+  __m512 a[R][3];
+  for (int r = 0; r < R; ++r) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); a[r][2] = _mm512_setzero_ps(); }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * 48;
+    _mm_prefetch((const char*)(wk + PF * 48), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wk + PF * 48 + 16), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wk + PF * 48 + 32), _MM_HINT_T0);
+    __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 3; ++j) {
-        double* d = acc + r * 48 + 16 * j;
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(a[r][j]));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1)));
-        _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo));
-        _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi));
-      }
+      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 48; ++i) y[r * ldy + i] = (float)acc[r * 48 + i];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 3; ++j) {
+      double* d = acc + r * 48 + 16 * j;
+      __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(a[r][j]));
+      __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1)));
+      _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), lo));
+      _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), hi));
+    }
+  }
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) static void tile256(const float* x, int64_t ldx, const float* w, int64_t K,
-                                                         float* y, int64_t ldy, double* acc) {
-  for (int i = 0; i < R * 24; ++i) acc[i] = 0.0;
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    __m256 a[R][3];
-    for (int r = 0; r < R; ++r) { a[r][0] = _mm256_setzero_ps(); a[r][1] = _mm256_setzero_ps(); a[r][2] = _mm256_setzero_ps(); }
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* wk = w + k * 24;
-      _mm_prefetch((const char*)(wk + PF * 24), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wk + PF * 24 + 16), _MM_HINT_T0);
-      __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
-      for (int r = 0; r < R; ++r) {
-        __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-        a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
-        a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
-      }
-    }
+__attribute__((target("avx2,fma"))) static void chunk256(const float* x, int64_t ldx, const float* w, int64_t k0,
+                                                          int64_t k1, double* acc) {
+  __m256 a[R][3];
+  for (int r = 0; r < R; ++r) { a[r][0] = _mm256_setzero_ps(); a[r][1] = _mm256_setzero_ps(); a[r][2] = _mm256_setzero_ps(); }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * 24;
+    _mm_prefetch((const char*)(wk + PF * 24), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wk + PF * 24 + 16), _MM_HINT_T0);
+    __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 3; ++j) {
-        double* d = acc + r * 24 + 8 * j;
-        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(a[r][j]));
-        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(a[r][j], 1));
-        _mm256_storeu_pd(d, _mm256_add_pd(_mm256_loadu_pd(d), lo));
-        _mm256_storeu_pd(d + 4, _mm256_add_pd(_mm256_loadu_pd(d + 4), hi));
-      }
+      __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+      a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 24; ++i) y[r * ldy + i] = (float)acc[r * 24 + i];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 3; ++j) {
+      double* d = acc + r * 24 + 8 * j;
+      __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(a[r][j]));
+      __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(a[r][j], 1));
+      _mm256_storeu_pd(d, _mm256_add_pd(_mm256_loadu_pd(d), lo));
+      _mm256_storeu_pd(d + 4, _mm256_add_pd(_mm256_loadu_pd(d + 4), hi));
+    }
+  }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, double*);
+using Chunk = void (*)(const float*, int64_t, const float*, int64_t, int64_t, double*);
 
-
-static Tile pick512(int r) {
-  switch (r) { case 1: return tile512<1>; case 2: return tile512<2>; case 3: return tile512<3>; case 4: return tile512<4>;
-               case 5: return tile512<5>; case 6: return tile512<6>; case 7: return tile512<7>; default: return tile512<8>; }
+static Chunk pick512(int r) {
+  switch (r) { case 1: return chunk512<1>; case 2: return chunk512<2>; case 3: return chunk512<3>; case 4: return chunk512<4>;
+               case 5: return chunk512<5>; case 6: return chunk512<6>; case 7: return chunk512<7>; default: return chunk512<8>; }
 }
-static Tile pick256(int r) {
-  switch (r) { case 1: return tile256<1>; case 2: return tile256<2>; case 3: return tile256<3>; default: return tile256<4>; }
+static Chunk pick256(int r) {
+  switch (r) { case 1: return chunk256<1>; case 2: return chunk256<2>; case 3: return chunk256<3>; default: return chunk256<4>; }
 }
 
 // w [K, N] (x @ w layout) -> [ceil(N/nb)][K][nb], zero-padded columns.
@@ -133,15 +120,23 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n, bool avx512
   auto y = torch::empty({M, tiles * nb}, x.options());
   const float* xp = x.data_ptr<float>(); const float* wp = packed.data_ptr<float>(); float* yp = y.data_ptr<float>();
   int64_t ldy = tiles * nb, rows_max = avx512 ? 8 : 4;
-  // Tiles split across threads; each thread streams its tiles once, for all row blocks (the tile stays in L2).
+  // Tiles split across threads. Within a tile, each chunk of KC weight rows is used by every row block
+  // while it is in L1: the weight streams from memory exactly once, whatever M is.
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    double acc[8 * 48];
+    std::vector<double> acc(M * nb);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
-        int r = (int)std::min(rows_max, M - r0);
-        Tile f = avx512 ? pick512(r) : pick256(r);
-        f(xp + r0 * K, K, wp + t * K * nb, K, yp + r0 * ldy + t * nb, ldy, acc);
+      const float* w = wp + t * K * nb;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t k1 = std::min(K, k0 + KC);
+        for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
+          int r = (int)std::min(rows_max, M - r0);
+          Chunk f = avx512 ? pick512(r) : pick256(r);
+          f(xp + r0 * K, K, w, k0, k1, acc.data() + r0 * nb);
+        }
       }
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t i = 0; i < nb; ++i) yp[r * ldy + t * nb + i] = (float)acc[r * nb + i];
     }
   });
   return n == ldy ? y : y.narrow(1, 0, n);
@@ -152,6 +147,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm);
 }
 """
+
+
+MAX_ROWS = 64  # verify-sized blocks; longer (prefill) is a large GEMM, where MKL is at its best
 
 
 class KernelUnavailable(RuntimeError):
@@ -177,7 +175,8 @@ def extension():
         raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2+FMA")
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline("hetero_sd_gemm", cpp_sources=SOURCE, extra_cflags=["-O3"], verbose=False)
+        return load_inline("hetero_sd_gemm", cpp_sources=SOURCE, extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a compiler or header problem: the caller announces it
         raise KernelUnavailable(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
 
@@ -194,7 +193,7 @@ class Packed:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.k)
-        if flat.shape[0] == 1:  # a decode step: MKL's GEMV streams one row ~1.5x faster than the tiles
+        if not 1 < flat.shape[0] <= MAX_ROWS:  # a decode step (one row) or a prefill: MKL is as fast or faster
             return x @ self.weight_t
         y = self.ext.gemm(flat if flat.is_contiguous() else flat.contiguous(), self.tiles, self.n, self.avx512)
         return y.view(*x.shape[:-1], self.n) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.n)
