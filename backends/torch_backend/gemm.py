@@ -195,7 +195,12 @@ class Packed:
         flat = x.reshape(-1, self.k)
         if not 1 < flat.shape[0] <= MAX_ROWS:  # a decode step (one row) or a prefill: MKL is as fast or faster
             return x @ self.weight_t
-        y = self.ext.gemm(flat if flat.is_contiguous() else flat.contiguous(), self.tiles, self.n, self.avx512)
+        rows = flat if flat.is_contiguous() else flat.contiguous()
+        if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it for torch.profiler
+            with torch.profiler.record_function("hetero_sd::gemm"):
+                y = self.ext.gemm(rows, self.tiles, self.n, self.avx512)
+        else:
+            y = self.ext.gemm(rows, self.tiles, self.n, self.avx512)
         return y.view(*x.shape[:-1], self.n) if y.is_contiguous() else y.reshape(*x.shape[:-1], self.n)
 
     @staticmethod
