@@ -45,7 +45,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
     p.add_argument("--draft-device", default=None,
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
+    p.add_argument("--dtype", default=None, help="the target's: float32, bfloat16, float16 (default: per device)")
+    p.add_argument("--draft-dtype", default=None,
+                   help="the draft's (default: bfloat16 on CPUs with native bf16, else the target's)")
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
                         "measured costs and acceptance), 'fixed' (the draft's own) or a block size")
@@ -143,7 +145,7 @@ def load_runtime(args, schedules: list[str], target_device: str | None = None, d
 
     concurrent = next((s for s in schedules if s != "sequential"), "sequential")
     return load(args.target, None if args.draft == "none" else args.draft,
-                target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, block_size=args.block_size,
+                target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, draft_dtype=args.draft_dtype, block_size=args.block_size,
                 schedule=concurrent, cpu_threads=args.threads)
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from backends.base import DraftBackend, TargetBackend
+from backends.torch_backend.cpu import capability
 
 
 @dataclass
@@ -73,23 +74,7 @@ def cpu_name() -> str:
                     break
     except OSError:
         pass
-    extras = sorted(cpu_flags() & NOTABLE_FLAGS)
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()}{'; ' + ', '.join(extras) if extras else ''})"
-
-
-# The flags that decide which kernels and dtypes pay on a CPU (bf16 needs avx512_bf16 or amx_bf16 natively).
-NOTABLE_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8"}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return f"{name} ({capability()})"
 
 
 def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:

@@ -185,7 +185,9 @@ class Runtime:
                       schedule=schedule if use_draft else "sequential",
                       block_size=self.block_size if use_draft else 1, notes=self.notes + notes,
                       timeline=timeline or Timeline(), request=request,
-                      draft_format=self.info.get("draft_format") if use_draft else None)
+                      draft_format=self.info.get("draft_format") if use_draft else None,
+                      target_dtype=self.info.get("target_dtype") or "",
+                      draft_dtype=(self.info.get("draft_dtype") or "") if use_draft else "")
         if schedule == "overlap" and use_draft:
             stats.notes += oversubscription(self.target.device, self.draft.device)
         req = decoding.Request(None, None, prompt_ids, Sampler(SamplingParams(temperature, top_k, top_p), seed),
@@ -378,7 +380,7 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
 
 
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
-         draft_device: str | None = None, schedule: str = "sequential", dtype=None,
+         draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
          block_size: int | str | None = None,
          max_context: int | None = None, cpu_threads: int | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
@@ -388,7 +390,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     stats say so). draft=None: no draft. draft="random" (or "random:N" for N layers): an untrained
     draft of the right shape, for measuring costs and the machinery.
     schedule: "sequential", "overlap" (pre-draft the next block during verification) or "pipeline"
-    (generate_many runs two requests at once). cpu_threads: torch CPU threads per lane; by default,
+    (generate_many runs two requests at once). dtype: the target's (a different dtype is a different
+    target: baseline and DFlash both run it); draft_dtype: by default bf16 on CPUs with native bf16, else
+    the target's (the draft's numerics never reach the output). cpu_threads: torch CPU threads per lane; by default,
     when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
@@ -405,7 +409,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
             "gguf": source_gguf(target), "notes": []}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
-        t = target_backend(folder, tcfg, target_device, dtype, (), max_context)
+        t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
+        info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
         return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
@@ -417,15 +422,18 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
     if isinstance(block_size, int):
         dcfg.block_size = int(block_size)
-    t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context)
-    d = draft_backend(dfolder, dcfg, t, draft_device, dtype, mask, tensors, info["notes"])
+    t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
+    info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
+                      tensors, info["notes"])
+    info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
     info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
                 draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
     info["cost_key"] = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
-                                str(getattr(t, "dtype", "mlx")), d.block_size, code_id(t, d))
+                                f"{info['target_dtype']}/{info['draft_dtype']}", d.block_size, code_id(t, d))
     rt = Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
     if block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
@@ -459,11 +467,37 @@ def oversubscription(target_device: str, draft_device: str) -> list[str]:
     return []
 
 
-def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context):
+def target_dtype_note(dtype: torch.dtype) -> str:
+    """A reduced-precision CPU target is a different target; say what it costs and what it breaks."""
+    note = (f"{dtype_name(dtype)} target: a different model than the float32 one (outside the parity tests' "
+            "1e-4); its CPU kernels are not batch-invariant, so DFlash can emit tokens that differ from "
+            "autoregressive decoding of this target where two logits nearly tie")
+    if dtype == torch.bfloat16 and not torch_backend.native_bf16():
+        note += "; this CPU has no native bf16 (AMX or AVX512-BF16): its matmuls are emulated, slower than float32"
+    return note
+
+
+def draft_dtype_for(draft_dtype, target_dtype, device: str) -> torch.dtype:
+    if draft_dtype is not None:
+        return resolve_dtype(draft_dtype, device)
+    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device))
+
+
+def dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context, notes=None):
     if device == "mlx":
         from backends import mlx_backend
         return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
-    return torch_backend.load_target(folder, cfg, device, resolve_dtype(dtype, device), layer_ids, max_context)
+    dtype = resolve_dtype(dtype, device)
+    if device == "cpu" and dtype != torch.float32 and notes is not None:
+        notes.append(target_dtype_note(dtype))
+    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
+    if notes is not None:
+        notes += target.notes  # e.g. the float32 kernel did not build here
+    return target
 
 
 def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors: dict, notes: list[str]):

@@ -17,6 +17,8 @@ class Stats:
     schedule: str = "sequential"  # or "overlap", "pipeline"
     block_size: int = 0
     draft_format: str | None = None  # e.g. "dflash", "dflash2 (top-8 selector, conv kernel 4)"
+    target_dtype: str = ""  # the target's numerics: a bfloat16 target is a different target than float32
+    draft_dtype: str = ""  # the draft's numerics (never reach the output; bf16 on CPUs with native bf16)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_drafts: int = 0  # verify steps that checked a drafted block

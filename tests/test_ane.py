@@ -29,7 +29,7 @@ def drafts(rt, draft_folder, dtype=torch.float32):
 
 def test_safe_graph_in_float32_is_the_reference_draft(tiny_llama, tiny_draft):
     """The rewrites (per-token rescaling before every square, host-side feature scaling) are exact."""
-    rt = load(str(tiny_llama), str(tiny_draft))
+    rt = load(str(tiny_llama), str(tiny_draft), draft_dtype="float32")  # the float32 reference draft
     features = context_and_block(rt, [5, 9, 12, 20, 7, 33])
     reference = rt.draft
     reference.crop(0)
@@ -55,7 +55,7 @@ def outlier_target(tmp_path_factory):
 
 
 def test_ane_sim_stays_finite_where_a_naive_fp16_draft_overflows(outlier_target, tiny_draft):
-    rt = load(str(outlier_target), str(tiny_draft))
+    rt = load(str(outlier_target), str(tiny_draft), draft_dtype="float32")
     features = context_and_block(rt, [5, 9, 12, 20, 7, 33, 41, 2])
     assert features.abs().max() > 1e5  # beyond fp16's 65504
     reference = rt.draft
@@ -152,7 +152,7 @@ class GraphAsPackage:
 def test_core_ml_device_pads_and_masks_the_window_exactly(tiny_llama, tiny_draft):
     from backends.coreml.device import CoreMLDraft
 
-    rt = load(str(tiny_llama), str(tiny_draft))
+    rt = load(str(tiny_llama), str(tiny_draft), draft_dtype="float32")
     features = context_and_block(rt, [5, 9, 12, 20, 7, 33])
     reference = rt.draft
     reference.add_context(features)

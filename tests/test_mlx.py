@@ -15,7 +15,7 @@ PROMPT = [5, 9, 12, 20, 7, 33]
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama, tiny_draft):
-    return load(str(tiny_llama), str(tiny_draft))
+    return load(str(tiny_llama), str(tiny_draft), draft_dtype="float32")  # the float32 torch draft
 
 
 @pytest.mark.parametrize("target_fixture", ["tiny_llama", "tiny_qwen3"])

@@ -17,24 +17,28 @@ from hetero_sd.weights import take
 
 from ..base import DraftBackend
 from .dflash2 import Selector, conv_layer, layer_convs
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
+from .gemm import Packed
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
 class TorchDraft(CacheOwner, DraftBackend):
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
-                 max_context: int):
+                 max_context: int, lm_head_mm=None):
         arch = self.arch = cfg.arch
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
         h = arch.hidden_size
-        self.fc = take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype).t().contiguous()
+        self.fc = orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype))
         self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
         self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
-        self.blocks = [Block(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype))
+        self.notes: list[str] = []
+        self.blocks = [Block(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), self.notes)
                        for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
-        self.embed, self.lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
+        self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype))
+        self.mm_head = shared_multiplier(self.lm_head, lm_head_mm, self.notes)
+        self.mm_fc = multiplier(self.fc, self.notes)
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
@@ -52,7 +56,7 @@ class TorchDraft(CacheOwner, DraftBackend):
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
         self.cache.reserve(start + count + self.block_size)
-        fused = rms_norm(linear(features.to(self.device, self.dtype)[None], self.fc),
+        fused = rms_norm(linear(features.to(self.device, self.dtype)[None], self.mm_fc),
                          self.hidden_norm, self.arch.rms_norm_eps)
         cos, sin = self.rope.at(start, count)
         for i, block in enumerate(self.blocks):
@@ -89,7 +93,7 @@ class TorchDraft(CacheOwner, DraftBackend):
             keys, values = write(k, v)
             h = block.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
-        logits = output_logits(linear(self.last_hidden, self.lm_head), self.format).float()
+        logits = output_logits(linear(self.last_hidden, self.mm_head), self.format).float()
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
 
 
@@ -119,3 +123,10 @@ def block_masks(attention, start: int, position: int, size: int, device) -> list
                 visible &= keys - queries < a.window
         masks.append(None if a.plain else visible)
     return masks
+
+
+def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
+    """The target's packed lm_head when the draft multiplies the very same tensor (no second 113 MB copy)."""
+    if isinstance(target_mm, Packed) and target_mm.source == Packed.identity(lm_head):
+        return target_mm
+    return multiplier(lm_head, notes)

@@ -1,8 +1,13 @@
 """Llama/Qwen3 decoder pieces in plain torch, shared by the target and the DFlash draft.
 
-Projections are fused (q|k|v and gate|up) and stored transposed ([in, out]) at load time. On this
-CPU, MKL multiplies a 16-row block by a pre-transposed weight ~4x faster than F.linear does with the
-[out, in] layout (benchmarks/matmul_layout.py), and the verify pass is exactly that shape."""
+Projections are fused (q|k|v and gate|up) and presented as [in, out] matrices (`x @ W_t`), stored in
+whichever memory layout multiplies fastest for their dtype (see `orient`):
+- float32: contiguous [in, out]. MKL multiplies a 16-row block by a pre-transposed weight ~4x faster
+  than F.linear does with the [out, in] layout (benchmarks/matmul_layout.py, AVX2 EPYC).
+- bfloat16 on the CPU: the transposed view of a contiguous [out, in] weight, multiplied as (W @ x^T)^T.
+  That operand order reaches oneDNN's AMX/AVX512-BF16 GEMM; x @ W_t and F.linear take slower paths
+  (lm_head at 16 rows on a Sapphire Rapids core: 3.8 ms vs 7-12 ms; float32 38 ms). One row is padded to
+  two, since a single row falls to a GEMV that is no faster than float32 (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from hetero_sd.config import ArchConfig
+
+from .gemm import KernelUnavailable, Packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,10 +26,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with W stored transposed."""
-    y = x @ weight_t
+def row_major(device, dtype: torch.dtype) -> bool:
+    """Whether weights of this dtype are kept [out, in] in memory (see the module docstring)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+
+
+def orient(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] weight as the [in, out] matrix `linear` takes, in the layout that is fastest for it."""
+    return weight.contiguous().t() if row_major(weight.device, weight.dtype) else weight.t().contiguous()
+
+
+def linear(x: torch.Tensor, weight_t, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for W presented as [in, out]: contiguous, the transposed view of a row-major W, or packed
+    for the float32 kernel (gemm.Packed, see `multiplier`)."""
+    if isinstance(weight_t, Packed):
+        y = weight_t(x)
+    else:
+        y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())
     return y if bias is None else y + bias
+
+
+def multiplier(weight_t: torch.Tensor, notes: list[str] | None = None):
+    """What `linear` should multiply by: float32 CPU weights packed for the decoding GEMM (gemm.py), when
+    its kernel builds on this CPU (otherwise the reason goes to `notes`, once); others as they are."""
+    if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32:
+        return weight_t
+    try:
+        return Packed(weight_t)
+    except KernelUnavailable as e:
+        if notes is not None and not any(n.startswith(KERNEL_NOTE) for n in notes):
+            notes.append(f"{KERNEL_NOTE}: {e}; float32 matmuls use torch's (slower for verify-sized blocks)")
+        return weight_t
+
+
+KERNEL_NOTE = "float32 decoding GEMM kernel unavailable"
+
+
+def rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T computed as (w @ x^T)^T for a contiguous w [out, in]; rows are computed independently
+    (identical results for a row alone or in a block), so decode and verify agree exactly."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if rows == 1:
+        flat = torch.cat([flat, flat])  # one row would take the slow GEMV path
+    y = (w @ flat.t()).t()[:rows].contiguous()
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
@@ -115,32 +163,45 @@ class CacheOwner:
 
 
 class Block:
-    """One pre-norm decoder layer with fused weights (no nn.Module: inference only)."""
+    """One pre-norm decoder layer with fused weights (no nn.Module: inference only). The w* tensors are
+    the weights as [in, out] matrices (for other consumers: the ANE compiler, floors); the mm_* are what
+    the forward multiplies by (see `multiplier`)."""
 
-    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], notes: list[str] | None = None):
         self.cfg = cfg
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
-        self.wqkv = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]).t().contiguous()
+        self.wqkv = orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
         self.wkv = self.wqkv[:, self.nq:]  # k|v only, for the draft's context features
         self.bqkv = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None
         self.bkv = None if self.bqkv is None else self.bqkv[self.nq:]
-        self.wo = w["o_proj"].t().contiguous()
-        self.w_gate_up = torch.cat([w["gate_proj"], w["up_proj"]]).t().contiguous()
-        self.w_down = w["down_proj"].t().contiguous()
+        self.wo = orient(w["o_proj"])
+        self.w_gate_up = orient(torch.cat([w["gate_proj"], w["up_proj"]]))
+        self.w_down = orient(w["down_proj"])
         self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.notes = notes
+        self.mm_qkv, self.mm_o = multiplier(self.wqkv, notes), multiplier(self.wo, notes)
+        self.mm_gate_up, self.mm_down = multiplier(self.w_gate_up, notes), multiplier(self.w_down, notes)
+        self._mm_kv = None
+
+    @property
+    def mm_kv(self):
+        """k|v only (the draft's context features): packed on first use, the target never needs it."""
+        if self._mm_kv is None:
+            self._mm_kv = multiplier(self.wkv, self.notes)
+        return self._mm_kv
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
 
     def project_qkv(self, x, cos, sin):
         """x: normed input [1, T, H] -> q [1, nh, T, hd], k/v [1, nkv, T, hd] with norms and RoPE."""
-        q, k, v = linear(x, self.wqkv, self.bqkv).split([self.nq, self.nkv, self.nkv], -1)
+        q, k, v = linear(x, self.mm_qkv, self.bqkv).split([self.nq, self.nkv, self.nkv], -1)
         return self.finish_q(q, cos, sin), self.finish_k(k, cos, sin), self.heads(v, self.cfg.num_key_value_heads)
 
     def project_kv(self, x, cos, sin):
-        k, v = linear(x, self.wkv, self.bkv).split([self.nkv, self.nkv], -1)
+        k, v = linear(x, self.mm_kv, self.bkv).split([self.nkv, self.nkv], -1)
         return self.finish_k(k, cos, sin), self.heads(v, self.cfg.num_key_value_heads)
 
     def finish_q(self, q, cos, sin):
@@ -164,12 +225,12 @@ class Block:
         """Attention over the keys, through o_proj (not yet added to the residual)."""
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=keys.shape[1] != q.shape[1])
-        return linear(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nq), self.wo)
+        return linear(o.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nq), self.mm_o)
 
     def mlp(self, x):
         """SwiGLU on the normed input."""
-        gate, up = linear(x, self.w_gate_up).chunk(2, -1)
-        return linear(F.silu(gate) * up, self.w_down)
+        gate, up = linear(x, self.mm_gate_up).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.mm_down)
 
 
 LAYER_TENSORS = {

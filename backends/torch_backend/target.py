@@ -14,7 +14,7 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.weights import take
 
 from ..base import TargetBackend, TargetOutput, feature_parts
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, rms_norm
+from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
 class TorchTarget(CacheOwner, TargetBackend):
@@ -26,9 +26,11 @@ class TorchTarget(CacheOwner, TargetBackend):
         h, v = cfg.hidden_size, cfg.vocab_size
         self.embed = take(tensors, "model.embed_tokens.weight", (v, h), where).to(device, dtype)
         head = self.embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
-        self.lm_head = head.to(device, dtype).t().contiguous()  # [hidden, vocab]: see layers.linear
+        self.lm_head = orient(head.to(device, dtype))  # [hidden, vocab] as layers.linear takes it
         self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
-        self.blocks = [Block(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype))
+        self.notes: list[str] = []  # announced by the runtime (e.g. a kernel that did not build)
+        self.mm_head = multiplier(self.lm_head, self.notes)
+        self.blocks = [Block(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
@@ -62,7 +64,7 @@ class TorchTarget(CacheOwner, TargetBackend):
                 captured.append(h)
         self.cache.length = start + count
         normed = rms_norm(h[0, -1:] if last_only else h[0], self.norm, self.config.rms_norm_eps)
-        return TargetOutput(linear(normed, self.lm_head).float(), self.gather(captured) if features else None)
+        return TargetOutput(linear(normed, self.mm_head).float(), self.gather(captured) if features else None)
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.layer_ids:
