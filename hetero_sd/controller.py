@@ -45,15 +45,6 @@ class FixedBlock:
     def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
         pass
 
-    def max_gap(self, size: int) -> int:
-        """The longest wait between probes: long enough that failed probes (a step of `size` instead
-        of a decode step) cost at most PROBE_BUDGET of the time, short enough to catch a stretch of
-        predictable text; cheap probes (a fast verify) are made more often."""
-        with self.memory.lock:
-            excess = self.memory.cost.step(size) - self.memory.cost.step(PLAIN)
-            decode = self.memory.cost.step(PLAIN)
-        return int(min(max(excess / (self.PROBE_BUDGET * decode), self.GAP), self.MAX_GAP))
-
     def observe_plain(self, seconds: float) -> None:
         pass
 
