@@ -74,8 +74,8 @@ class Stats:
     @property
     def mean_acceptance_length(self) -> float:
         """tau: tokens emitted per verify step, bonus included."""
-        if not self.num_drafts:
-            return 1.0 if self.mode == "autoregressive" else 0.0
+        if not self.num_drafts:  # no block verified: plain steps (one token each), or nothing yet
+            return 1.0 if self.mode == "autoregressive" or self.plain_steps else 0.0
         return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
 
     tau = mean_acceptance_length

@@ -58,7 +58,7 @@ def drafts(tmp_path_factory):
 def test_first_block_matches_the_reference(name, drafts, target, hf_target):
     model, folder = drafts[name]
     tokens, logits = ref.first_block(model, hf_target, PROMPT)
-    step = hetero_sd.load(str(target), str(folder)).draft_step(PROMPT)
+    step = hetero_sd.load(str(target), str(folder), draft_dtype="float32").draft_step(PROMPT)
     assert step.tokens == tokens
     torch.testing.assert_close(torch.from_numpy(step.logits), logits, rtol=1e-4, atol=1e-5)
     if name.startswith("dflash2"):  # the selector changed the path: it is not argmax in disguise
@@ -69,7 +69,7 @@ def test_first_block_matches_the_reference(name, drafts, target, hf_target):
 def test_greedy_generation_matches_the_reference(name, drafts, target, hf_target, monkeypatch):
     model, folder = drafts[name]
     tokens, acceptance = ref.generate(model, hf_target, PROMPT, MAX_NEW, monkeypatch)
-    rt = hetero_sd.load(str(target), str(folder), block_size="fixed")
+    rt = hetero_sd.load(str(target), str(folder), block_size="fixed", draft_dtype="float32")
     spec = rt.generate(PROMPT, max_new_tokens=MAX_NEW)
     assert spec.token_ids == tokens == rt.generate(PROMPT, max_new_tokens=MAX_NEW, speculative=False).token_ids
     ours = [a + 1 for a in spec.stats.accepted_per_step]
@@ -101,14 +101,14 @@ def test_the_parity_check_catches_a_missing_piece(name, piece, drafts, target, h
         monkeypatch.setattr(dflash2.DynamicConv, "finish", lambda self, x, d: x)
     else:
         monkeypatch.setattr(dflash2.Selector, "block", lambda self, hidden, lg, anchor: lg)
-    step = hetero_sd.load(str(target), str(folder)).draft_step(PROMPT)
+    step = hetero_sd.load(str(target), str(folder), draft_dtype="float32").draft_step(PROMPT)
     same_logits = torch.allclose(torch.from_numpy(step.logits), logits, rtol=1e-4, atol=1e-5)
     assert not (same_logits and step.tokens == tokens)
 
 
 def test_the_format_is_named_in_stats_and_bench_json(drafts, target, tmp_path, capsys):
     folder = drafts["dflash2"][1]
-    rt = hetero_sd.load(str(target), str(folder), block_size="fixed")
+    rt = hetero_sd.load(str(target), str(folder), block_size="fixed", draft_dtype="float32")
     assert rt.info["draft_format"] == "dflash2 (top-5 selector, conv kernel 3)"
     assert rt.generate(PROMPT, max_new_tokens=4).stats.draft_format == rt.info["draft_format"]
     assert rt.generate(PROMPT, max_new_tokens=4, speculative=False).stats.draft_format is None

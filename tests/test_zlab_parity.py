@@ -31,7 +31,7 @@ def pair(tiny_llama, tmp_path_factory):
                          dtype=torch.float32)
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     draft = zm.DFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
-    return load(str(tiny_llama), str(folder), block_size="fixed"), target, draft  # the reference drafts full blocks
+    return load(str(tiny_llama), str(folder), block_size="fixed", draft_dtype="float32"), target, draft  # the reference drafts full blocks
 
 
 def test_same_tokens_and_acceptance_lengths(pair):
