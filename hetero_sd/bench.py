@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .costs import cpu_model
 from .drift import Drift
 from .errors import ConfigError
 from .loops import LOOP_NGRAM, add_counts, loop_counts, loop_figures, step_lengths
@@ -21,15 +22,7 @@ WARMUP = "Say hello."
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
+    return {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(), "python": sys.version.split()[0],
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

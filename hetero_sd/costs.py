@@ -63,18 +63,21 @@ class Costs:
                 "draft": {b: v / self.decode_s for b, v in self.draft_s.items()}}
 
 
-def cpu_name() -> str:
-    """lscpu's model name and torch's CPU capability: every figure states the CPU it came from."""
-    name = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """lscpu's model name (/proc/cpuinfo), or what the platform module knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{name} ({capability()})"
+    return platform.processor() or platform.machine()
+
+
+def cpu_name() -> str:
+    """The model name and torch's CPU capability: every figure states the CPU it came from."""
+    return f"{cpu_model()} ({capability()})"
 
 
 def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
