@@ -158,7 +158,7 @@ def fault(r: Request, e: Exception) -> None:
 def first_block(r: Request, anchor: int, context: torch.Tensor) -> torch.Tensor | None:
     """The block after prefill, drafted at the draft's own size (draft_step's experiments)."""
     r.draft.crop(0)
-    return timed_draft(r, partial(next_block, r.draft, context, anchor, None))
+    return timed_draft(r, partial(next_block, r.draft, [context], anchor, None))
 
 
 def timed_draft(r: Request, job) -> torch.Tensor | None:
@@ -191,34 +191,37 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
 def speculative(r: Request) -> Iterator[Step]:
     """Draft a block, verify it; or, when the controller says so, a plain decode step. `pending` holds
     the context features the draft has not been given yet (it catches up on its next block)."""
-    anchor, pending = prefill(r, features=True)
+    anchor, features = prefill(r, features=True)
+    pending = [features]
     yield Step(r.emit([anchor]))
     r.draft.crop(0)
     while not r.budget.done:
         size = r.block_size()
         if size == PLAIN:
             step, anchor, features = plain_step(r, anchor)
-            pending = torch.cat([pending, features])
+            pending.append(features)
             yield step
             continue
         logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, None, size))
         if logits is None:
             yield from finish_autoregressive(r, anchor)
             return
-        step, verdict, pending = verify_block(r, anchor, logits)
-        anchor = verdict.tokens[-1]
+        step, verdict, verified = verify_block(r, anchor, logits)
+        anchor, pending = verdict.tokens[-1], [verified]
         yield step
 
 
-def next_block(draft: DraftBackend, context: torch.Tensor, anchor: int, ready: torch.Tensor | None,
+def next_block(draft: DraftBackend, context: list[torch.Tensor], anchor: int, ready: torch.Tensor | None,
                size: int | None = None) -> torch.Tensor:
-    """Extend the draft's context with the verified positions, then the next block: pre-drafted or fresh."""
-    draft.add_context(context)
+    """Extend the draft's context with the positions emitted since its last block (joined once here, not
+    per plain step), then the next block: pre-drafted or fresh."""
+    draft.add_context(context[0] if len(context) == 1 else torch.cat(context))
     return checked(ready if ready is not None else draft.propose(anchor, size=size))
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:
-    anchor, pending = prefill(r, features=True)
+    anchor, features = prefill(r, features=True)
+    pending = [features]
     yield Step(r.emit([anchor]))
     r.draft.crop(0)
     ready, pace = None, Pace()  # ready: the block pre-drafted for this anchor, if a guess was right
@@ -226,7 +229,8 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
         size = r.block_size()
         if size == PLAIN:  # a pre-drafted block, if any, is dropped unread
             step, anchor, features = plain_step(r, anchor)
-            pending, ready = torch.cat([pending, features]), None
+            pending.append(features)
+            ready = None
             yield step
             continue
         logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, ready, size))
@@ -244,9 +248,9 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
                 predraft, r.draft, guesses, start, verifying, pace, jobs["began"], ahead))
             return verifying
 
-        step, verdict, pending = verify_block(r, anchor, logits, launch)
+        step, verdict, verified = verify_block(r, anchor, logits, launch)
         pace.verify_s = pace.mix(pace.verify_s, time.perf_counter() - jobs["began"])
-        anchor = verdict.tokens[-1]
+        anchor, pending = verdict.tokens[-1], [verified]
         ready = on_predraft(r, jobs["predraft"], (verdict.accepted, anchor))
         yield step
         if ready is FAULT:
