@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from hetero_sd.config import ArchConfig
+from hetero_sd.models.config import ArchConfig
 
 
 @dataclass

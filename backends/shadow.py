@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_sd.drift import Drift
+from .drift import Drift
 
 from .base import DraftBackend
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hetero_sd  # noqa: E402
-from hetero_sd.bench import machine  # noqa: E402
+from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.prompts import load_prompts  # noqa: E402
 from tests.doubles import OracleDraft, with_draft  # noqa: E402
 

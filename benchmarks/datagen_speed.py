@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import hetero_sd
-    from hetero_sd.default_model import default_target_folder
+    from hetero_sd.loading.default_model import default_target_folder
     from hetero_sd.train.corpus import training_mix
     from hetero_sd.train.distill import chat_ids
 

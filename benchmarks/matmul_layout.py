@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.bench import machine
+from hetero_sd.bench.runner import machine
 
 SHAPES = {"qkv (576->960)": (576, 960), "gate_up (576->3072)": (576, 3072), "down (1536->576)": (1536, 576),
           "lm_head (576->49152)": (576, 49152)}

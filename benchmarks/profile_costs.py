@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hetero_sd.costs import cpu_name, fill_context, fill_ids
+from hetero_sd.decoding.costs import cpu_name, fill_context, fill_ids
 from hetero_sd.runtime import load
 
 

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from hetero_sd.experiments import placement_sweep
+from hetero_sd.bench.experiments import placement_sweep
 from hetero_sd.prompts import load_prompts
 
 

@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from backends.torch_backend import gemm
-from hetero_sd.bench import machine
-from hetero_sd.costs import Costs, measure_costs
+from hetero_sd.backends.torch_backend import gemm
+from hetero_sd.bench.runner import machine
+from hetero_sd.decoding.costs import Costs, measure_costs
 from hetero_sd.runtime import load
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hetero_sd.timeline import Timeline, bars
+from hetero_sd.decoding.timeline import Timeline, bars
 
 
 def timelines(trace: dict) -> dict[str, Timeline]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DeviceUnavailableError, UnknownDeviceError
+from hetero_sd.errors import DeviceUnavailableError, UnknownDeviceError
 
 KNOWN = "cpu, cuda, cuda:N, mps, mlx, ane-sim (drafts), ane / coreml-gpu / coreml-cpu (drafts, macOS)"
 DRAFT_ONLY = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")

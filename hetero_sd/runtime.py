@@ -1,48 +1,37 @@
-"""The Python API: `load` a target (and a DFlash draft), then `generate`, `stream` or `draft_step`."""
+"""The Python API: `load` a target (and a DFlash draft), then `generate`, `stream` or `draft_step`.
+The loader (`hetero_sd.loading.loader`) resolves and loads the models; the decoding loops are in
+`hetero_sd.decoding.loop`."""
 
 from __future__ import annotations
-
-import json
 
 import os
 import threading
 import time
-from importlib import resources
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from backends import torch_backend
-from backends.base import DraftBackend, TargetBackend
-from backends.shadow import ShadowedDraft
-
-from . import decoding, validate
-from .controller import AutoBlock, FixedBlock, Memory
-from .cost_cache import code_id, cost_key, costs_for, source_id
-from .config import ArchConfig, DraftConfig, read_json
-from .default_model import DEFAULT_TARGET
-from .devices import check_device, cpu_bound
-from .draft_format import check_tensors
-from .draft_init import draft_config, pick_mask_token, random_draft_tensors
-from .drift import Drift
-from .errors import ConfigError, DeviceFailedError, ModelNotFoundError, PromptTooLongError, RuntimeClosedError
-from .lanes import Lane, Lanes
-from .pairing import check_pair, feature_layers
-from .sampling import Sampler, SamplingParams, draft_tokens
-from .selection import logits_of
-from .sources import resolve_folder, resolve_target, source_gguf
-from .stats import Stats
-from .timeline import Timeline
-from .weights import load_weights, take
+from hetero_sd import validate
+from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.drift import Drift
+from hetero_sd.backends.selection import logits_of
+from hetero_sd.backends.shadow import ShadowedDraft
+from hetero_sd.decoding import loop as decoding
+from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
+from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, source_id
+from hetero_sd.decoding.lanes import Lane, Lanes
+from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
+from hetero_sd.decoding.stats import Stats
+from hetero_sd.decoding.timeline import Timeline
+from hetero_sd.devices import cpu_bound
+from hetero_sd.errors import ConfigError, DeviceFailedError, PromptTooLongError, RuntimeClosedError
+from hetero_sd.loading.loader import load_models
 
 Prompt = str | Sequence[int] | Sequence[dict]
 SCHEDULES = decoding.SCHEDULES + ("pipeline",)
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "rule", "speculative")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RANDOM_DRAFT_LAYERS = 2
 
 
 @dataclass
@@ -369,16 +358,6 @@ def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
     return not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
 
 
-def resolve_dtype(dtype, device: str) -> torch.dtype:
-    if dtype is None:
-        return torch_backend.default_dtype(device)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
          block_size: int | str | None = None,
@@ -398,65 +377,20 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
     under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
     or a size from 2 to the draft's own, used on every step."""
-    target_device = check_device(target_device, "target")
-    draft_device = check_device(draft_device or target_device, "draft")
     check_schedule(schedule)
-    validate.threads(cpu_threads)
-    folder = resolve_target(target)
-    tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
-    tokenizer = load_tokenizer(folder)
-    info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
-            "gguf": source_gguf(target), "notes": []}
-    draft = default_draft(draft, target, info["notes"])
-    if draft is None:
-        t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
-        info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
-        return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
-
-    dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
-    layer_ids = feature_layers(dcfg, tcfg, take(tensors, "fc.weight", None, dfolder or draft).shape[1])
-    mask = dcfg.mask_token_id
-    if mask is None and "<|MASK|>" in tokenizer.get_vocab():
-        mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
-    mask = check_pair(dcfg, tcfg, mask)
-    block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
-    if isinstance(block_size, int):
-        dcfg.block_size = int(block_size)
-    t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
-    info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
-    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
-                      tensors, info["notes"])
-    info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
-    info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
-                draft_device=draft_device, block_size=dcfg.block_size,
-                target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
-    set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
-    info["block"] = block
-    info["cost_key"] = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
+    loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,
+                         dtype=dtype, draft_dtype=draft_dtype, block_size=block_size, max_context=max_context,
+                         cpu_threads=cpu_threads)
+    t, d, info = loaded.target, loaded.draft, loaded.info
+    if d is None:
+        return Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
+    info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
+                                info["target_device"], info["draft_device"],
                                 f"{info['target_dtype']}/{info['draft_dtype']}", d.block_size, code_id(t, d))
-    rt = Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
-    if block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
+    rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block)
+    if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
     return rt
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def load_tokenizer(folder: Path):
-    """The target's tokenizer; a folder without one is named as such (transformers would otherwise
-    blame sentencepiece or tiktoken)."""
-    from transformers import AutoTokenizer
-
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelNotFoundError(f"target folder {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
-                                 "copy the tokenizer files from the model's repository into that folder")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError, TypeError, ImportError) as e:
-        raise ModelNotFoundError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''})",
-                                 "copy complete tokenizer files from the model's repository into that folder") from None
 
 
 def oversubscription(target_device: str, draft_device: str) -> list[str]:
@@ -465,160 +399,3 @@ def oversubscription(target_device: str, draft_device: str) -> list[str]:
         return [f"both lanes on the CPU with {torch.get_num_threads()} torch threads each on {cores} cores: "
                 f"they will slow each other down (load with cpu_threads={max(1, cores // 2)})"]
     return []
-
-
-def target_dtype_note(dtype: torch.dtype) -> str:
-    """A reduced-precision CPU target is a different target; say what it costs and what it breaks."""
-    note = (f"{dtype_name(dtype)} target: a different model than the float32 one (outside the parity tests' "
-            "1e-4); its CPU kernels are not batch-invariant, so DFlash can emit tokens that differ from "
-            "autoregressive decoding of this target where two logits nearly tie")
-    if dtype == torch.bfloat16 and not torch_backend.native_bf16():
-        note += "; this CPU has no native bf16 (AMX or AVX512-BF16): its matmuls are emulated, slower than float32"
-    return note
-
-
-def draft_dtype_for(draft_dtype, target_dtype, device: str) -> torch.dtype:
-    if draft_dtype is not None:
-        return resolve_dtype(draft_dtype, device)
-    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device))
-
-
-def dtype_name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context, notes=None):
-    if device == "mlx":
-        from backends import mlx_backend
-        return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
-    dtype = resolve_dtype(dtype, device)
-    if device == "cpu" and dtype != torch.float32 and notes is not None:
-        notes.append(target_dtype_note(dtype))
-    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
-    if notes is not None:
-        notes += target.notes  # e.g. the float32 kernel did not build here
-    return target
-
-
-def draft_backend(dfolder, dcfg, target, device: str, dtype, mask: int, tensors: dict, notes: list[str]):
-    """The draft on its device. Reduced-precision devices come with the float32 reference alongside
-    (ShadowedDraft), which measures their precision drift."""
-    if device == "mlx":
-        dcfg.format.require_plain("the MLX backend")
-        from backends import mlx_backend
-        return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
-    if device not in ("ane-sim", "ane", "coreml-gpu", "coreml-cpu"):
-        return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
-    dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
-    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
-    if device == "ane-sim":
-        from backends.coreml import AneSimDraft
-
-        notes.append("draft device ane-sim is an EMULATION of the Neural Engine's fp16 arithmetic on the CPU: "
-                     "its numerics emulate the ANE fp16 format, its timings say nothing about the ANE")
-        return ShadowedDraft(AneSimDraft(reference), reference)
-    from backends.coreml.device import CoreMLDraft
-
-    package = compiled_package(reference, dfolder)
-    notes.append(f"draft on {device} through Core ML ({package}); drift measured on every 8th block")
-    return ShadowedDraft(CoreMLDraft.open(reference, package, device), reference, every=8)
-
-
-def compiled_package(reference, dfolder) -> Path:
-    """The draft's Core ML package, compiled once into the cache (keyed by the draft's folder)."""
-    import hashlib
-
-    from ane_compiler.compile import convert
-
-    from .home import home, writable_home
-
-    key = hashlib.sha1(str(Path(dfolder or "random").resolve()).encode()).hexdigest()[:12]
-    package = home() / "compiled" / f"draft-{key}-b{reference.block_size}.mlpackage"
-    if not package.exists():
-        writable_home("compiling the draft for Core ML")
-        package.parent.mkdir(parents=True, exist_ok=True)
-        convert(reference, package)
-    return package
-
-
-def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draft_device: str,
-                    notes: list[str]) -> None:
-    """Two lanes on the CPU at once must split the cores: two torch thread pools each as wide as the
-    machine slow each other down many times over (measured 10-25x on 2 cores)."""
-    if threads is None and schedule != "sequential" and cpu_bound(target_device) and cpu_bound(draft_device):
-        threads = max(1, (os.cpu_count() or 2) // 2)
-        if torch.get_num_threads() > threads:
-            notes.append(f"target and draft both on the CPU under the {schedule} schedule: "
-                         f"torch uses {threads} thread(s) per lane so they do not oversubscribe the cores")
-    if threads is not None:
-        torch.set_num_threads(threads)
-
-
-SHIPPED_DRAFTS = {"default": DEFAULT_TARGET, "cpu-trained": f"{DEFAULT_TARGET}-cpu-trained"}
-
-
-def shipped(name: str):
-    folder = resources.files("hetero_sd.data").joinpath("drafts", SHIPPED_DRAFTS[name])
-    return folder if folder.joinpath("config.json").is_file() else None
-
-
-def default_draft(draft: str | None, target: str, notes: list[str]) -> str | None:
-    """"default" means the best draft shipped for the default target: the trained default when it ships,
-    else the weaker "cpu-trained" one, which the block-size controller keeps from slowing decoding down."""
-    if draft in (None, "none"):
-        return None
-    if draft not in SHIPPED_DRAFTS:
-        return draft
-    if target == "default":
-        folder = shipped(draft) or (shipped("cpu-trained") if draft == "default" else None)
-        if folder is not None:
-            if folder == shipped("cpu-trained"):
-                notes.append(cpu_trained_note(folder))
-            return str(folder)
-    if draft == "cpu-trained":
-        raise ConfigError(f"the cpu-trained draft belongs to the default target ({DEFAULT_TARGET}), not {target}",
-                          "pass a DFlash draft folder trained for this target (hetero-sd train-draft)")
-    notes.append("no trained DFlash draft ships for this target yet: decoding autoregressively "
-                 "(pass a draft folder, or draft='random' to exercise the speculative path)")
-    return None
-
-
-def cpu_trained_note(folder) -> str:
-    done = json.loads(folder.joinpath("training.json").read_text())
-    tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
-    return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f}; "
-            "weak: with block size 'auto' the controller decodes plainly wherever it does not pay")
-
-
-def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:
-    if draft == "random" or draft.startswith("random:"):
-        layers = random_layers(draft)
-        notes.append("the draft is randomly initialised (untrained): expect tau ~1 and a slowdown; "
-                     "it measures costs and exercises the machinery")
-        raw = draft_config(tcfg, num_layers=layers, block_size=16,
-                           mask_token_id=pick_mask_token(tokenizer))
-        tensors = {k: v.to(torch.bfloat16).float() for k, v in random_draft_tensors(raw).items()}
-        return DraftConfig.from_dict(raw), tensors, None
-    dfolder = resolve_folder(draft, "draft")
-    dcfg = DraftConfig.from_folder(dfolder)
-    if dcfg.arch.hidden_size != tcfg.hidden_size:  # say "mismatch" before any shape error in the weights
-        check_pair(dcfg, tcfg, dcfg.mask_token_id)
-    return dcfg, check_tensors(load_weights(dfolder), dcfg, dfolder), dfolder
-
-
-def random_layers(draft: str) -> int:
-    count = draft.partition(":")[2] or str(RANDOM_DRAFT_LAYERS)
-    if not count.isdigit() or int(count) < 1:
-        raise ConfigError(f"bad random draft {draft!r}", "use 'random' or 'random:N' with N >= 1 layers")
-    return int(count)
-
-
-def stop_ids(cfg: ArchConfig, tokenizer, folder: Path) -> list[int]:
-    ids = set(cfg.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        eos = read_json(gen).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    return sorted(ids)

@@ -10,7 +10,7 @@ import numbers
 import os
 from pathlib import Path
 
-from .errors import InvalidArgumentError, OutputPathError
+from hetero_sd.errors import InvalidArgumentError, OutputPathError
 
 RULES = ("match", "rejection")  # sampling.RULES, repeated so that checking needs no torch
 FIXES = {"top_k": "use 0 to keep every token, or a count such as 50",

@@ -67,8 +67,8 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory, tiny_llama) -> Path:
     """A random 2-layer DFlash draft for tiny_llama, written in the z-lab format."""
-    from hetero_sd.config import ArchConfig, read_json
-    from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
+    from hetero_sd.models.config import ArchConfig, read_json
+    from hetero_sd.models.draft_init import draft_config, random_draft_tensors, write_draft
 
     cfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
     raw = draft_config(cfg, num_layers=2, block_size=6, mask_token_id=3, layer_ids=[0, 2, 3])
@@ -78,7 +78,7 @@ def tiny_draft(tmp_path_factory, tiny_llama) -> Path:
 
 @pytest.fixture(scope="session")
 def default_folder() -> Path:
-    from hetero_sd.default_model import default_target_folder
+    from hetero_sd.loading.default_model import default_target_folder
 
     return default_target_folder()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import DraftBackend
+from hetero_sd.backends.base import DraftBackend
 from hetero_sd.runtime import Runtime
 
 

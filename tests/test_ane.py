@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ane_compiler.graph import SafeDraftGraph
-from backends.coreml import AneSimDraft
-from backends.torch_backend import load_draft
-from hetero_sd.config import DraftConfig
+from hetero_sd.ane_compiler.graph import SafeDraftGraph
+from hetero_sd.backends.coreml import AneSimDraft
+from hetero_sd.backends.torch_backend import load_draft
+from hetero_sd.models.config import DraftConfig
 from hetero_sd.errors import DeviceUnavailableError, UnknownDeviceError
 from hetero_sd.runtime import load
-from hetero_sd.weights import load_weights
+from hetero_sd.models.weights import load_weights
 
 from .conftest import make_tiny_target
 
@@ -150,7 +150,7 @@ class GraphAsPackage:
 
 
 def test_core_ml_device_pads_and_masks_the_window_exactly(tiny_llama, tiny_draft):
-    from backends.coreml.device import CoreMLDraft
+    from hetero_sd.backends.coreml.device import CoreMLDraft
 
     rt = load(str(tiny_llama), str(tiny_draft), draft_dtype="float32")
     features = context_and_block(rt, [5, 9, 12, 20, 7, 33])

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from hetero_sd.runtime import load
-from hetero_sd.timeline import bars
-from tui import ChatApp
-from tui.session import AnswerBuilder, Conversation, panel_text
+from hetero_sd.decoding.timeline import bars
+from hetero_sd.tui import ChatApp
+from hetero_sd.tui.session import AnswerBuilder, Conversation, panel_text
 
 
 async def until(pilot, condition, timeout: float = 300.0) -> None:

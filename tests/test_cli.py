@@ -69,7 +69,7 @@ def test_bench_runs_placements_and_temperatures_in_one_invocation(tmp_path, tiny
 def test_bench_interrupted_keeps_the_finished_rows(tmp_path, tiny_llama, tiny_draft, monkeypatch):
     """Ctrl-C during the second prompt of the second run: the first run and the second run's first
     prompt are in the JSON, marked interrupted, and the exit status says so."""
-    import hetero_sd.bench as bench
+    import hetero_sd.bench.runner as bench
 
     real, calls = bench.run_bench, []
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 import hetero_sd
-from hetero_sd.controller import PLAIN, AutoBlock, Memory, interpolate
-from hetero_sd.costs import Costs
+from hetero_sd.decoding.controller import PLAIN, AutoBlock, Memory, interpolate
+from hetero_sd.decoding.costs import Costs
 
 from .doubles import OracleDraft, with_draft
 
@@ -109,7 +109,7 @@ def test_the_prior_carries_over_between_generations():
 def test_cost_cache_hits_and_is_invalidated_by_what_it_is_keyed_on(tiny_llama, tiny_draft, tmp_path, monkeypatch):
     import torch
 
-    from hetero_sd import cost_cache
+    from hetero_sd.decoding import cost_cache
 
     monkeypatch.setenv("HETERO_SD_HOME", str(tmp_path))
     calls = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hetero_sd.costs import Costs, measure_costs
+from hetero_sd.decoding.costs import Costs, measure_costs
 from hetero_sd.runtime import load
 
 

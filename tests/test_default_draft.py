@@ -10,7 +10,7 @@ import pytest
 
 import hetero_sd
 from hetero_sd.errors import ConfigError
-from hetero_sd.runtime import SHIPPED_DRAFTS
+from hetero_sd.loading.loader import SHIPPED_DRAFTS
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is.", "List three uses of magnets."]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hetero_sd
-from hetero_sd.sampling import Sampler, SamplingParams
-from hetero_sd.selection import SelectorBlock
+from hetero_sd.decoding.sampling import Sampler, SamplingParams
+from hetero_sd.backends.selection import SelectorBlock
 
 from . import reference_dflash as ref
 from .conftest import make_tiny_target

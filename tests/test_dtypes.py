@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backends.torch_backend as tb
-from backends.torch_backend import cpu
-from backends.torch_backend.layers import linear, orient
+import hetero_sd.backends.torch_backend as tb
+from hetero_sd.backends.torch_backend import cpu
+from hetero_sd.backends.torch_backend.layers import linear, orient
 from hetero_sd.runtime import load
 
 from .conftest import make_tiny_target

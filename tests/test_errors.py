@@ -10,8 +10,8 @@ import torch
 
 import hetero_sd
 from hetero_sd.cli import main
-from hetero_sd.config import ArchConfig, read_json
-from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
+from hetero_sd.models.config import ArchConfig, read_json
+from hetero_sd.models.draft_init import draft_config, random_draft_tensors, write_draft
 from hetero_sd.errors import (ConfigError, DeviceUnavailableError, MismatchError, ModelNotFoundError,
                               PromptTooLongError, UnknownDeviceError, WeightsError)
 

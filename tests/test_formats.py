@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hetero_sd
-import backends.torch_backend.dflash2 as dflash2
-import backends.torch_backend.draft as torch_draft
+import hetero_sd.backends.torch_backend.dflash2 as dflash2
+import hetero_sd.backends.torch_backend.draft as torch_draft
 from hetero_sd.cli import main
-from hetero_sd.config import DraftConfig
+from hetero_sd.models.config import DraftConfig
 from hetero_sd.errors import ConfigError, WeightsError
-from hetero_sd.runtime import draft_backend
+from hetero_sd.backends.placement import draft_backend
 
 from . import reference_dflash as ref
 from .conftest import make_tiny_target

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.torch_backend import gemm
-from backends.torch_backend.layers import KERNEL_NOTE, multiplier
+from hetero_sd.backends.torch_backend import gemm
+from hetero_sd.backends.torch_backend.layers import KERNEL_NOTE, multiplier
 
 pytestmark = pytest.mark.skipif(gemm.isa() is None, reason="no AVX2/AVX-512 on this CPU")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_sd.loops import LOOP_NGRAM, add_counts, loop_counts, loop_figures, loop_mask, step_lengths
+from hetero_sd.bench.repetition import LOOP_NGRAM, add_counts, loop_counts, loop_figures, loop_mask, step_lengths
 
 
 def test_a_token_is_a_loop_token_once_its_ngram_repeats():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hetero_sd.decoding
-from hetero_sd.sampling import Verdict
+import hetero_sd.decoding.loop
+from hetero_sd.decoding.sampling import Verdict
 
 from .doubles import OracleDraft, with_draft
 

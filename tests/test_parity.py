@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.torch_backend import load_draft, load_target
-from hetero_sd.config import ArchConfig, DraftConfig, read_json
-from hetero_sd.weights import load_weights
+from hetero_sd.backends.torch_backend import load_draft, load_target
+from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
+from hetero_sd.models.weights import load_weights
 
 from .conftest import make_tiny_target
 

@@ -12,8 +12,8 @@ import pytest
 
 from hetero_sd.cli import main
 from hetero_sd.errors import ConfigError
-from hetero_sd.floor import target_bytes
-from hetero_sd.peers import peer_names
+from hetero_sd.bench.floor import target_bytes
+from hetero_sd.bench.peers import peer_names
 from hetero_sd.prompts import load_prompts
 from hetero_sd.runtime import load
 
@@ -75,7 +75,8 @@ def test_peer_names_and_datasets():
 
 
 def test_llama_cpp_dflash_is_compared_with_llama_cpp_autoregressive():
-    from hetero_sd.peers import PeerRow, compare_llama_cpp
+    from hetero_sd.bench.peer_row import PeerRow
+    from hetero_sd.bench.peers import compare_llama_cpp
 
     dflash, plain = PeerRow("llama.cpp-dflash"), PeerRow("llama.cpp")
     for row, answers in ((dflash, [[1, 2, 3], [4, 5, 6]]), (plain, [[1, 2, 3], [4, 9, 6]])):

@@ -333,7 +333,7 @@ def many_prompts(folder, n: int):
 def test_bench_writes_each_prompt_as_it_finishes(tmp_path, tiny_llama, tiny_draft, monkeypatch):
     import json
 
-    import hetero_sd.bench as bench
+    import hetero_sd.bench.runner as bench
     from hetero_sd.cli import main
 
     out, seen = tmp_path / "b.json", []
@@ -401,7 +401,7 @@ def test_generate_json_keeps_the_text_on_interrupt(tmp_path, tiny_llama, tiny_dr
 def test_chat_save_errors_are_shown_and_the_conversation_stays(tmp_path, tiny_llama):
     import asyncio
 
-    from tui import ChatApp
+    from hetero_sd.tui import ChatApp
 
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the transcript folder should be")
@@ -436,7 +436,7 @@ def test_chat_save_errors_are_shown_and_the_conversation_stays(tmp_path, tiny_ll
 CONVERT = """
 import sys, time
 from pathlib import Path
-import hetero_sd.default_model as dm
+import hetero_sd.loading.default_model as dm
 
 def slow_conversion(gguf, out):  # stands in for the ~90 s conversion: slow enough for the two to overlap
     with open(sys.argv[2], "a") as log:
@@ -474,7 +474,7 @@ def test_two_first_runs_on_an_empty_home_convert_once(tmp_path):
     (KeyboardInterrupt(), "KeyboardInterrupt", None),  # Ctrl-C mid-conversion
 ])
 def test_a_failed_conversion_leaves_no_temp_folder(tmp_path, monkeypatch, failure, expected, message):
-    import hetero_sd.default_model as dm
+    import hetero_sd.loading.default_model as dm
     from hetero_sd.errors import ConfigError
 
     monkeypatch.setenv("HETERO_SD_HOME", str(tmp_path))
@@ -495,7 +495,7 @@ def test_chat_settings_refuse_a_temperature_that_is_not_finite(tiny_llama):
 
     from textual.widgets import Input
 
-    from tui import ChatApp
+    from hetero_sd.tui import ChatApp
 
     app = ChatApp({"target": str(tiny_llama), "draft": None})
 

@@ -15,10 +15,10 @@ import torch
 from scipy.stats import chisquare
 
 import hetero_sd
-import hetero_sd.sampling as sampling
-from hetero_sd.config import ArchConfig, read_json
-from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
-from hetero_sd.sampling import Sampler, SamplingParams, Verdict
+import hetero_sd.decoding.sampling as sampling
+from hetero_sd.models.config import ArchConfig, read_json
+from hetero_sd.models.draft_init import draft_config, random_draft_tensors, write_draft
+from hetero_sd.decoding.sampling import Sampler, SamplingParams, Verdict
 
 from .conftest import make_tiny_target
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hetero_sd.cli import main
-from hetero_sd.controller import Memory
-from hetero_sd.decoding import hypotheses
-from hetero_sd.timeline import Timeline, chrome_trace
+from hetero_sd.decoding.controller import Memory
+from hetero_sd.decoding.loop import hypotheses
+from hetero_sd.decoding.timeline import Timeline, chrome_trace
 
 from .doubles import FaultyDraft, OracleDraft, with_draft
 
@@ -121,7 +121,7 @@ def test_unknown_schedule_is_a_clear_error(tiny_llama, tiny_draft, capsys):
 
 
 def test_placement_sweep_gives_one_row_per_placement_and_schedule(tiny_llama, tiny_draft, tmp_path):
-    from hetero_sd.experiments import placement_sweep
+    from hetero_sd.bench.experiments import placement_sweep
 
     table = placement_sweep(targets=[str(tiny_llama)], drafts=[str(tiny_draft), "random:1"], devices=["cpu/cpu"],
                             schedules=["sequential", "overlap"], prompts=["t5 t9 t12", "t20 t7"], max_new_tokens=8)
@@ -151,6 +151,6 @@ def test_the_controller_is_lossless_in_every_schedule(smollm_random, baselines, 
 
 
 def measured_costs(rt):
-    from hetero_sd.costs import measure_costs
+    from hetero_sd.decoding.costs import measure_costs
 
     return measure_costs(rt.target, rt.draft, context=128, ks=(2, 4, 8, 16), blocks=(2, 4, 8, 16), repeats=1)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hetero_sd.default_model import default_target_folder
+from hetero_sd.loading.default_model import default_target_folder
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,4 +1,4 @@
-from hetero_sd.stats import Stats
+from hetero_sd.decoding.stats import Stats
 
 
 def test_acceptance_statistics_from_known_steps():

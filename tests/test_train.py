@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import hetero_sd
-from backends.torch_backend import load_draft, load_target
-from hetero_sd.config import ArchConfig, DraftConfig, read_json
-from hetero_sd.draft_init import draft_config, write_draft
+from hetero_sd.backends.torch_backend import load_draft, load_target
+from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
+from hetero_sd.models.draft_init import draft_config, write_draft
 from hetero_sd.train.model import TrainableDraft, TrainingVocab
 from hetero_sd.train.trainer import (FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce,
                                      split_held_out, train)
-from hetero_sd.weights import load_weights
+from hetero_sd.models.weights import load_weights
 
 
 def test_training_forward_is_the_inference_forward(tmp_path, tiny_llama):

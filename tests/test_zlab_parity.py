@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetero_sd.config import ArchConfig, read_json
-from hetero_sd.draft_init import draft_config, random_draft_tensors, write_draft
-from hetero_sd.loops import step_lengths
-from hetero_sd.peers import PeerRow
-from hetero_sd.peers_zlab import cpu_clock, first_difference
+from hetero_sd.models.config import ArchConfig, read_json
+from hetero_sd.models.draft_init import draft_config, random_draft_tensors, write_draft
+from hetero_sd.bench.repetition import step_lengths
+from hetero_sd.bench.peer_row import PeerRow
+from hetero_sd.bench.peers_zlab import cpu_clock, first_difference
 from hetero_sd.runtime import load
 
 zm = pytest.importorskip("dflash.model", reason="z-lab's reference: pip install --no-deps dflash (make setup does)")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from rich.text import Text
 
 from hetero_sd.runtime import Runtime, TextStream
-from hetero_sd.stats import Stats
-from hetero_sd.timeline import bars
+from hetero_sd.decoding.stats import Stats
+from hetero_sd.decoding.timeline import bars
 
 BASELINE_PROMPT = "Describe a lighthouse in two sentences."
 BASELINE_TOKENS = 32

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ane_compiler.graph import sequence_first
+from hetero_sd.ane_compiler.graph import sequence_first
 
 from .host import WINDOW, WindowedDraft
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ane_compiler.graph import MASKED, channels_first
+from hetero_sd.ane_compiler.graph import MASKED, channels_first
 
-from ..base import DraftBackend
+from hetero_sd.backends.base import DraftBackend
 
 WINDOW = 512  # context positions given to the graph (a compiled package has exactly this many)
 

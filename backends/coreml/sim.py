@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ane_compiler.graph import SafeDraftGraph, sequence_first, to_fp16
+from hetero_sd.ane_compiler.graph import SafeDraftGraph, sequence_first, to_fp16
 
 from .host import WINDOW, WindowedDraft
 

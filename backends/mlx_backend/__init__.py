@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetero_sd.config import ArchConfig, DraftConfig
-from hetero_sd.weights import load_weights
+from hetero_sd.models.config import ArchConfig, DraftConfig
+from hetero_sd.models.weights import load_weights
 
 from .draft import MLXDraft
 from .target import MLXTarget

@@ -7,10 +7,10 @@ import copy
 import mlx.core as mx
 import torch
 
-from hetero_sd.config import DraftConfig
-from hetero_sd.weights import take
+from hetero_sd.models.config import DraftConfig
+from hetero_sd.models.weights import take
 
-from ..base import DraftBackend
+from hetero_sd.backends.base import DraftBackend
 from .layers import Block, KVCache, Rope, rms_norm, to_mx
 from .target import to_torch
 

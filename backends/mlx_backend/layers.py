@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from hetero_sd.config import ArchConfig
+from hetero_sd.models.config import ArchConfig
 
-from ..torch_backend.layers import inv_frequencies, layer_weights
+from hetero_sd.backends.torch_backend.layers import inv_frequencies, layer_weights
 
 
 def to_mx(t, dtype=mx.float32):

@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from hetero_sd.config import ArchConfig
+from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
-from hetero_sd.weights import take
+from hetero_sd.models.weights import take
 
-from ..base import TargetBackend, TargetOutput, feature_parts
+from hetero_sd.backends.base import TargetBackend, TargetOutput, feature_parts
 from .layers import Block, KVCache, Rope, rms_norm, to_mx
 
 

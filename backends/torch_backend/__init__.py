@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from hetero_sd.config import ArchConfig, DraftConfig
-from hetero_sd.draft_format import check_tensors
-from hetero_sd.weights import load_weights
+from hetero_sd.models.config import ArchConfig, DraftConfig
+from hetero_sd.models.draft_format import check_tensors
+from hetero_sd.models.weights import load_weights
 
 from .cpu import native_bf16
 from .draft import TorchDraft

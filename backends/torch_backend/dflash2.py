@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.config import DraftConfig
+from hetero_sd.models.config import DraftConfig
 from hetero_sd.errors import ConfigError
-from hetero_sd.selection import SelectorBlock
-from hetero_sd.weights import take
+from hetero_sd.backends.selection import SelectorBlock
+from hetero_sd.models.weights import take
 
 from .layers import Block, linear, rms_norm
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.config import DraftConfig
-from hetero_sd.weights import take
+from hetero_sd.models.config import DraftConfig
+from hetero_sd.models.weights import take
 
-from ..base import DraftBackend
+from hetero_sd.backends.base import DraftBackend
 from .dflash2 import Selector, conv_layer, layer_convs
 from .gemm import Packed
 from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm

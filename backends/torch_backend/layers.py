@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.config import ArchConfig
+from hetero_sd.models.config import ArchConfig
 
 from .gemm import KernelUnavailable, Packed
 
@@ -252,7 +252,7 @@ def layer_shapes(cfg: ArchConfig) -> dict[str, tuple]:
 
 def layer_weights(tensors, prefix: str, cfg: ArchConfig, where, device, dtype) -> dict[str, torch.Tensor]:
     """Gather and shape-check one layer's tensors (prefix like 'model.layers.3.')."""
-    from hetero_sd.weights import take
+    from hetero_sd.models.weights import take
 
     names = dict(LAYER_TENSORS)
     if cfg.qk_norm:

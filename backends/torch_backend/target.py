@@ -9,11 +9,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.config import ArchConfig
+from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
-from hetero_sd.weights import take
+from hetero_sd.models.weights import take
 
-from ..base import TargetBackend, TargetOutput, feature_parts
+from hetero_sd.backends.base import TargetBackend, TargetOutput, feature_parts
 from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 

@@ -20,8 +20,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from hetero_sd.config import ArchConfig, read_json
-from hetero_sd.weights import load_weights, take
+from hetero_sd.models.config import ArchConfig, read_json
+from hetero_sd.models.weights import load_weights, take
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +38,7 @@ def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
     if cfg.rope_scaling is None:
         exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
         return (1.0 / cfg.rope_theta ** exps).float(), 1.0
-    from backends.torch_backend.layers import inv_frequencies as scaled  # scaled RoPE comes from transformers
+    from hetero_sd.backends.torch_backend.layers import inv_frequencies as scaled  # scaled RoPE comes from transformers
     return scaled(cfg)
 
 

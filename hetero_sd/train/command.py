@@ -10,8 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import torch
 
-from ..errors import ConfigError
-from ..sources import resolve_target
+from hetero_sd.errors import ConfigError
+from hetero_sd.loading.sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
 from .distill import generate_shards, load_distilled
 from .prompts import training_prompts

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import ConfigError
-from ..prompts import BUILTIN, CODE_PROMPT, load_prompts
+from hetero_sd.errors import ConfigError
+from hetero_sd.prompts import BUILTIN, CODE_PROMPT, load_prompts
 
 SHINGLE = 8  # words in a run shared with an evaluation prompt that disqualifies a training prompt
 MIN_CHARS, MAX_CHARS = 16, 3000

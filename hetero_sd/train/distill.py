@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from hetero_sd.errors import ConfigError
 from .batched import Answer, BatchedGenerator
 from .corpus import TrainPrompt, sharegpt_prompts, stdlib_prompts, training_mix
 
@@ -138,8 +138,8 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     (benchmarks/results/datagen_speed.json): labels of a slightly different model."""
     from transformers import AutoTokenizer
 
-    from ..config import ArchConfig, read_json
-    from ..runtime import stop_ids as runtime_stop_ids
+    from hetero_sd.models.config import ArchConfig, read_json
+    from hetero_sd.loading.loader import stop_ids as runtime_stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))

@@ -9,7 +9,7 @@ import importlib
 import inspect
 import random
 
-from ..prompts import CODE_PROMPT
+from hetero_sd.prompts import CODE_PROMPT
 
 INSTRUCTIONS = [
     "Explain {t} in simple terms.", "Write a short paragraph about {t}.", "Give three facts about {t}.",

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.torch_backend import load_target
-from hetero_sd.config import ArchConfig, fallback_layer_ids, read_json
-from hetero_sd.draft_init import draft_config, pick_mask_token, write_draft
+from hetero_sd.backends.torch_backend import load_target
+from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
+from hetero_sd.models.draft_init import draft_config, pick_mask_token, write_draft
 
 from .model import TrainableDraft, TrainingVocab
 
@@ -210,7 +210,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         start, cfg.history = state["step"], state["history"]
         rng.setstate(state["rng"])
     elif cfg.init == "target":
-        from hetero_sd.weights import load_weights
+        from hetero_sd.models.weights import load_weights
         init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
     weights = torch.exp(-torch.arange(cfg.block_size - 1) / cfg.decay())
     began = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .errors import WeightsError
+from hetero_sd.errors import WeightsError
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -10,8 +10,8 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from .errors import ConfigError, HomeError, ModelNotFoundError
-from .home import home, writable_home
+from hetero_sd.errors import ConfigError, HomeError, ModelNotFoundError
+from hetero_sd.home import home, writable_home
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 _DONE = ".hetero-sd-complete"

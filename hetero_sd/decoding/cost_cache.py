@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .costs import Costs, cpu_name, measure_costs
-from .home import home
+from hetero_sd.home import home
 
 FORMAT = 1
 BLOCKS = (2, 4, 8, 16, 32)

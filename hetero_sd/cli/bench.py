@@ -17,9 +17,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import validate
-from .cli import block_arg, err, interrupted_status, load_runtime, write_json
-from .errors import HeteroSDError, OutputPathError
+from hetero_sd import validate
+from .common import block_arg, err, interrupted_status, load_runtime, write_json
+from hetero_sd.errors import HeteroSDError, OutputPathError
 
 
 def placements(args) -> list[tuple[str, str | None]]:
@@ -73,7 +73,7 @@ class Saver:
     def document(self) -> dict:
         if self.planned == 1 and self.runs:
             return self.runs[0]
-        from .bench import machine
+        from hetero_sd.bench.runner import machine
 
         doc = {"machine": self.runs[0]["machine"] if self.runs else machine(), "command": " ".join(sys.argv),
                "interrupted": self.interrupted, "planned_runs": self.planned, "runs": self.runs,
@@ -108,10 +108,10 @@ def bar() -> Progress:
 def run(args) -> int:
     if args.costs:
         return run_costs(args)
-    from .bench import run_bench
-    from .prompts import load_prompts
+    from hetero_sd.bench.runner import run_bench
+    from hetero_sd.prompts import load_prompts
 
-    from .runtime import check_schedule
+    from hetero_sd.runtime import check_schedule
 
     prompts = load_prompts(args.prompts, args.dataset, args.limit)
     schedules = [check_schedule(s.strip()) for s in args.schedule.split(",") if s.strip()]
@@ -148,7 +148,7 @@ def run(args) -> int:
             saver.save()
     report(saver)
     if args.trace:
-        from .timeline import chrome_trace
+        from hetero_sd.decoding.timeline import chrome_trace
         write_json(args.trace, chrome_trace(timelines))
     if saver.interrupted:
         err.print(f"[yellow]interrupted:[/] {sum(len(r['prompts']) for r in saver.runs)} finished prompt rows "
@@ -234,8 +234,8 @@ def print_details(res: dict, schedules_title: str) -> None:
 def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> None:
     import os
 
-    from .floor import floor_report
-    from .peers import peer_names, run_peers
+    from hetero_sd.bench.floor import floor_report
+    from hetero_sd.bench.peers import peer_names, run_peers
 
     names = peer_names(args.peers)
     if names:
@@ -323,8 +323,8 @@ def run_costs(args) -> int:
     """`bench --costs`: the cost probe on the first placement, as a table and the JSON's `costs` object."""
     import sys
 
-    from .bench import machine
-    from .costs import measure_costs
+    from hetero_sd.bench.runner import machine
+    from hetero_sd.decoding.costs import measure_costs
 
     target_device, draft_device = placements(args)[0]
     rt = load_runtime(args, ["sequential"], target_device, draft_device)

@@ -16,12 +16,13 @@ import hashlib
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from .home import home
-from .peers import PeerRow
+from hetero_sd.home import home
+from .peer_row import PeerRow
 
 BINARIES = {"llama.cpp": "llama-completion", "llama.cpp-dflash": "llama-speculative-simple"}
 TIMEOUT_S = 1800  # one prompt; a hung binary must not hang the bench
@@ -35,8 +36,6 @@ def llama_cpp_peer(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     """The peer from the build, or (no build) the llama-cpp-python peer with a note saying why."""
     binary = build_dir() / "bin" / BINARIES[name]
     if not binary.is_file():
-        from .peers import llama_cpp
-
         why = f"no llama.cpp build at {binary.parent}: run benchmarks/build_llama_cpp.sh (15-40 min, once)"
         return llama_cpp(runtime, prompt_ids, max_new_tokens, done, name=name, why=why)
     gguf = runtime.info.get("gguf")
@@ -172,3 +171,31 @@ def build_info() -> str:
     lines = info.read_text().splitlines() if info.is_file() else []
     commit = next((ln.split(":", 1)[1].strip()[:8] for ln in lines if ln.startswith("commit:")), "?")
     return f"{lines[0] if lines else 'llama.cpp'}, commit {commit}"
+
+
+def llama_cpp(runtime, prompt_ids, max_new_tokens: int, done, name: str = "llama.cpp",
+              why: str = "") -> PeerRow:
+    """llama.cpp through llama-cpp-python (used when the binaries of benchmarks/build_llama_cpp.sh are
+    absent; `why` says so in the note). It has no DFlash: llama.cpp-dflash needs the binaries."""
+    if name == "llama.cpp-dflash":
+        return PeerRow(name, skipped=True, note=why)
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return PeerRow(name, skipped=True, note=f"{why}; llama-cpp-python not installed either")
+    gguf = runtime.info.get("gguf")
+    if not gguf:
+        return PeerRow(name, skipped=True, note="no GGUF for this target (the default target has one)")
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=4096, verbose=False)
+    row = PeerRow(name, note=f"llama-cpp-python ({why}), {threads} threads, greedy",
+                  weights=f"the target's GGUF as stored ({Path(gguf).name})")
+    llm.create_completion(prompt_ids[0], max_tokens=4, temperature=0.0)  # warm-up
+    for ids in prompt_ids:
+        began = time.perf_counter()
+        out = llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0)
+        text = out["choices"][0]["text"]
+        row.add(runtime.tokenizer.encode(text, add_special_tokens=False), time.perf_counter() - began,
+                tokens=out["usage"]["completion_tokens"])
+        done()
+    return row

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .config import ArchConfig, DraftConfig
-from .errors import ConfigError, MismatchError
+from hetero_sd.models.config import ArchConfig, DraftConfig
+from hetero_sd.errors import ConfigError, MismatchError
 
 FIX = "use a DFlash draft trained for this target (or train one: hetero-sd train-draft)"
 

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from backends.base import DraftBackend, TargetBackend
-from backends.torch_backend.cpu import capability
+from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.torch_backend.cpu import capability
 
 
 @dataclass
@@ -164,6 +164,21 @@ def peak_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int 
     return 2 * n ** 3 / best / 1e9
 
 
+BUFFER_MB = 512
+
+
+def read_bandwidth_gb_s(repeats: int = 5, buffer_mb: int = BUFFER_MB) -> float:
+    """Memory read bandwidth with the process's torch threads: the best of a few full reads of a buffer
+    much larger than the caches."""
+    x = torch.ones(buffer_mb * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - began)
+    return x.nbytes / best / 1e9
+
+
 def timed(fn) -> float:
     began = time.perf_counter()
     fn()
@@ -172,8 +187,6 @@ def timed(fn) -> float:
 
 def add_machine(costs: Costs, target, draft) -> None:
     """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak)."""
-    from .floor import read_bandwidth_gb_s
-
     dtype = getattr(target, "dtype", torch.float32)
     costs.peak_gflops = peak_gflops(dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32)
     costs.bandwidth_gbs = read_bandwidth_gb_s()

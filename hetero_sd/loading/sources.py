@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ModelNotFoundError
+from hetero_sd.errors import ModelNotFoundError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .loops import step_lengths
-from .peers import PeerRow
+from .repetition import step_lengths
+from .peer_row import PeerRow
 
 NAME = "zlab-reference"
 
@@ -73,7 +73,7 @@ def identity(gen: list[int], ours: dict | None, lengths: list[int] | None = None
     position; and our tau beside theirs."""
     if not ours or "output_ids" not in ours:
         return {}
-    from .bench import first_divergence
+    from .runner import first_divergence
 
     diverges = first_divergence(ours["output_ids"], gen)
     out = {"identical": diverges is None, "first_divergence": diverges, "tau_ours": ours.get("tau")}

@@ -1,7 +1,7 @@
 """Device-placement experiments: every (target, draft, devices) combination under every schedule, on
 the same prompts, each against its own autoregressive baseline measured in the same run.
 
-    from hetero_sd.experiments import placement_sweep
+    from .experiments import placement_sweep
     table = placement_sweep(drafts=["random:2", "random:4"], devices=[("cpu", "cpu")],
                             schedules=["sequential", "overlap", "pipeline"], prompts=["Hi!", "Explain rain."])
     table.print(); table.save("sweep.json")
@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .bench import machine, run_bench
-from .prompts import Prompt, load_prompts
-from .runtime import load
+from .runner import machine, run_bench
+from hetero_sd.prompts import Prompt, load_prompts
+from hetero_sd.runtime import load
 
 COLUMNS = ("target", "draft", "target_device", "draft_device", "schedule", "tokens_per_s", "baseline_tokens_per_s",
            "speedup", "tau", "overlap_fraction", "predraft_hit_rate", "draft_to_verify_cost", "drift", "lossless")

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import RuntimeClosedError
+from hetero_sd.errors import RuntimeClosedError
 from .timeline import Timeline
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .draft_format import DraftFormat, lookup, read_format
-from .errors import ConfigError
+from hetero_sd.errors import ConfigError
 
 # Decoder families whose blocks our backends implement (Llama-style pre-norm blocks, GQA, RoPE).
 SUPPORTED_TYPES = {"llama": dict(qk_norm=False), "qwen3": dict(qk_norm=True), "qwen2": dict(qk_norm=False)}

@@ -2,64 +2,19 @@
 (autoregressive, and assisted generation with prompt lookup), llama.cpp (autoregressive, and its own
 DFlash on our draft converted to GGUF; binaries from benchmarks/build_llama_cpp.sh), z-lab's reference
 DFlash loop on our draft, and mlx-lm. Each is optional: a peer that is not installed (or has no model
-to run) is skipped with a note saying how to get it. Every answer gets the loop rule of loops.py."""
+to run) is skipped with a note saying how to get it. Every answer gets the loop rule of repetition.py."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .loops import add_counts, loop_counts, loop_figures
+from .peer_row import PeerRow
 
 PEERS = ("transformers", "transformers-lookup", "llama.cpp", "llama.cpp-dflash", "zlab-reference", "mlx-lm",
          "mlx-lm-speculative")
-
-
-@dataclass
-class PeerRow:
-    name: str
-    tokens: int = 0
-    seconds: float = 0.0
-    note: str = ""
-    skipped: bool = False
-    weights: str = ""  # which weights it reads, at what precision
-    prompts: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, loop counts, extras
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def add(self, ids: list[int], seconds: float, tokens: int | None = None, lengths: list[int] | None = None,
-            **extra) -> None:
-        """One answer: its generated ids (for the loop rule), seconds, token count (default len(ids)),
-        the tokens each verify step emitted (speculative peers that report them) and peer-specific extras."""
-        counts = loop_counts(ids, lengths)
-        tokens = len(ids) if tokens is None else tokens
-        self.prompts.append({"tokens": tokens, "seconds": seconds, **extra, "loop": counts, "output_ids": list(ids)}
-                            | loop_figures(counts))
-        self.tokens += tokens
-        self.seconds += seconds
-
-    @property
-    def tau(self) -> float | None:
-        """Pooled over the verify steps of every prompt, for peers that report steps."""
-        steps = [(p["tau"], p["steps"]) for p in self.prompts if p.get("tau") is not None and p.get("steps")]
-        return sum(t * n for t, n in steps) / sum(n for _, n in steps) if steps else None
-
-    def to_dict(self, spec_tokens_per_s: float, base_tokens_per_s: float | None = None) -> dict:
-        d = asdict(self)
-        ran = not self.skipped and self.seconds > 0
-        d.update(tokens_per_s=self.tokens_per_s, tau=self.tau,
-                 ratio_to_spec=self.tokens_per_s / spec_tokens_per_s if ran and spec_tokens_per_s else None,
-                 ratio_to_autoregressive=self.tokens_per_s / base_tokens_per_s if ran and base_tokens_per_s else None)
-        if any("identical" in p for p in self.prompts):
-            d["identical"] = all(p["identical"] for p in self.prompts)
-        if self.prompts:
-            d |= loop_figures(add_counts([p["loop"] for p in self.prompts]))
-        return d
 
 
 def peer_names(asked: str | None) -> list[str]:
@@ -68,7 +23,7 @@ def peer_names(asked: str | None) -> list[str]:
     names = list(PEERS) if asked == "all" else [n.strip() for n in asked.split(",") if n.strip()]
     unknown = [n for n in names if n not in PEERS]
     if unknown:
-        from .errors import ConfigError
+        from hetero_sd.errors import ConfigError
         raise ConfigError(f"unknown peer(s) {', '.join(unknown)}", f"use some of {', '.join(PEERS)}, or all")
     return names
 
@@ -100,7 +55,7 @@ def compare_llama_cpp(rows: list[PeerRow]) -> None:
     dflash, plain = by_name.get("llama.cpp-dflash"), by_name.get("llama.cpp")
     if not (dflash and plain):
         return
-    from .bench import first_divergence
+    from .runner import first_divergence
 
     for a, b in zip(dflash.prompts, plain.prompts):
         a["first_divergence_from_llama.cpp"] = first_divergence(b["output_ids"], a["output_ids"])
@@ -136,34 +91,6 @@ def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, don
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
             row.add(out[0, len(ids):].tolist(), time.perf_counter() - began)
             done()
-    return row
-
-
-def llama_cpp(runtime, prompt_ids, max_new_tokens: int, done, name: str = "llama.cpp",
-              why: str = "") -> PeerRow:
-    """llama.cpp through llama-cpp-python (used when the binaries of benchmarks/build_llama_cpp.sh are
-    absent; `why` says so in the note). It has no DFlash: llama.cpp-dflash needs the binaries."""
-    if name == "llama.cpp-dflash":
-        return PeerRow(name, skipped=True, note=why)
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return PeerRow(name, skipped=True, note=f"{why}; llama-cpp-python not installed either")
-    gguf = runtime.info.get("gguf")
-    if not gguf:
-        return PeerRow(name, skipped=True, note="no GGUF for this target (the default target has one)")
-    threads = torch.get_num_threads()
-    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=4096, verbose=False)
-    row = PeerRow(name, note=f"llama-cpp-python ({why}), {threads} threads, greedy",
-                  weights=f"the target's GGUF as stored ({Path(gguf).name})")
-    llm.create_completion(prompt_ids[0], max_tokens=4, temperature=0.0)  # warm-up
-    for ids in prompt_ids:
-        began = time.perf_counter()
-        out = llm.create_completion(ids, max_tokens=max_new_tokens, temperature=0.0)
-        text = out["choices"][0]["text"]
-        row.add(runtime.tokenizer.encode(text, add_special_tokens=False), time.perf_counter() - began,
-                tokens=out["usage"]["completion_tokens"])
-        done()
     return row
 
 

@@ -10,13 +10,13 @@ from typing import Sequence
 
 import torch
 
-from .costs import cpu_model
-from .drift import Drift
-from .errors import ConfigError
-from .loops import LOOP_NGRAM, add_counts, loop_counts, loop_figures, step_lengths
-from .prompts import Prompt
-from .runtime import Runtime, check_schedule
-from .stats import Stats
+from hetero_sd.decoding.costs import cpu_model
+from hetero_sd.backends.drift import Drift
+from hetero_sd.errors import ConfigError
+from .repetition import LOOP_NGRAM, add_counts, loop_counts, loop_figures, step_lengths
+from hetero_sd.prompts import Prompt
+from hetero_sd.runtime import Runtime, check_schedule
+from hetero_sd.decoding.stats import Stats
 
 WARMUP = "Say hello."
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -12,30 +10,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from . import validate
-from .errors import HeteroSDError, InvalidArgumentError, OutputPathError
-from .timeline import chrome_trace
+from hetero_sd import validate
+from hetero_sd.errors import HeteroSDError, InvalidArgumentError, OutputPathError
+from hetero_sd.decoding.timeline import chrome_trace
 
-err = Console(stderr=True, soft_wrap=True)
+from .common import STATE, Terminated, block_arg, err, interrupted_status, load_runtime, on_sigterm, write_json
+
 FLAGS = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p", "top_k": "--top-k", "temperature": "--temperature",
          "seed": "--seed", "threads": "--threads", "limit": "--limit"}
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what `timeout`, CI runners and `kill` send), handled exactly like Ctrl-C: what finished
-    is kept and written, then the exit status is 143 (Ctrl-C: 130)."""
-
-
-def on_sigterm(signum, frame):
-    STATE["terminated"] = True
-    raise Terminated()
-
-
-def interrupted_status(e: BaseException | None = None) -> int:
-    return 143 if isinstance(e, Terminated) or STATE["terminated"] else 130
-
-
-STATE = {"terminated": False}  # set when SIGTERM arrived, for code that caught the interrupt on the way
 
 
 def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
@@ -59,7 +41,7 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
 def add_sampling_args(p: argparse.ArgumentParser, max_new: int, many: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new)
     if many:
-        from .bench_cmd import temperatures
+        from .bench import temperatures
         p.add_argument("--temperature", type=temperatures, default=[0.0],
                        help="comma-separated: each temperature is a full run on the same prompts, e.g. 0,1")
     else:
@@ -69,15 +51,6 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int, many: bool = Fal
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rule", choices=["match", "rejection"], default="match",
                    help="acceptance rule at temperature > 0 (both are lossless)")
-
-
-def block_arg(value: str) -> int | str:
-    if value in ("auto", "fixed"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'auto' or 'fixed'") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -131,22 +104,13 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="X.mlpackage (the report goes to X.json)")
     a.add_argument("--window", type=int, default=512, help="context positions the package takes")
 
-    from .train.command import add_parser as add_train_parser
+    from hetero_sd.train.command import add_parser as add_train_parser
     add_train_parser(sub)
 
     sub.add_parser("devices", help="devices this machine can run")
     f = sub.add_parser("fetch", help="prepare a model: 'default' converts the embedded GGUF; org/name downloads")
     f.add_argument("model")
     return ap
-
-
-def load_runtime(args, schedules: list[str], target_device: str | None = None, draft_device: str | None = None):
-    from .runtime import load
-
-    concurrent = next((s for s in schedules if s != "sequential"), "sequential")
-    return load(args.target, None if args.draft == "none" else args.draft,
-                target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, draft_dtype=args.draft_dtype, block_size=args.block_size,
-                schedule=concurrent, cpu_threads=args.threads)
 
 
 def sampling(args) -> dict:
@@ -184,7 +148,7 @@ def check_args(args) -> None:
 
 
 def one_request_schedule(schedule: str) -> None:
-    from .runtime import check_schedule
+    from hetero_sd.runtime import check_schedule
 
     if check_schedule(schedule) == "pipeline":
         raise InvalidArgumentError("the pipeline schedule needs two requests at once; this command runs one",
@@ -237,12 +201,12 @@ def mode_summary(stats) -> str:
 
 
 def cmd_bench(args) -> int:
-    from .bench_cmd import run
+    from .bench import run
     return run(args)
 
 
 def cmd_chat(args) -> int:
-    from tui import ChatApp
+    from hetero_sd.tui import ChatApp
 
     kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
@@ -256,7 +220,7 @@ def cmd_compile_ane(args) -> None:
     from pathlib import Path
 
     try:
-        from ane_compiler.compile import compile_ane
+        from .compile_ane import compile_ane
         import coremltools  # noqa: F401
     except ImportError:
         raise HeteroSDError("compile-ane needs coremltools", "pip install 'hetero-sd[coreml]'") from None
@@ -273,7 +237,7 @@ def cmd_compile_ane(args) -> None:
 
 
 def cmd_devices(args) -> None:
-    from .devices import devices
+    from hetero_sd.devices import devices
 
     t = Table(title="devices")
     for col in ("device", "backend", "available", "detail"):
@@ -285,31 +249,15 @@ def cmd_devices(args) -> None:
 
 def cmd_fetch(args) -> None:
     if args.model == "default":
-        from .default_model import default_target_folder
+        from hetero_sd.loading.default_model import default_target_folder
         print(default_target_folder())
     else:
-        from .sources import hub_snapshot
+        from hetero_sd.loading.sources import hub_snapshot
         print(hub_snapshot(args.model, "model", download=True, fetching=True))
 
 
-def write_json(path: str, data: dict, quiet: bool = False) -> None:
-    """Atomically: a reader (or a kill mid-write) sees the previous complete file or the new one."""
-    target = Path(path).expanduser()
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, default=str))
-        os.replace(tmp, target)
-    except OSError as e:
-        raise OutputPathError(f"cannot write {target} ({e.strerror})",
-                              "give a path in a folder you can write to") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    if not quiet:
-        err.print(f"[dim]wrote {target.resolve()}[/]")
-
-
 def cmd_train_draft(args) -> None:
-    from .train.command import run
+    from hetero_sd.train.command import run
     run(args)
 
 
@@ -347,8 +295,3 @@ def is_main_thread() -> bool:
 
     return threading.current_thread() is threading.main_thread()
 
-
-if __name__ == "__main__":  # python -m: run the imported module, whose state bench_cmd shares (SIGTERM)
-    from hetero_sd import cli
-
-    sys.exit(cli.main())

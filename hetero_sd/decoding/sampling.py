@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .selection import SelectorBlock
+from hetero_sd.backends.selection import SelectorBlock
 
 RULES = ("match", "rejection")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from .drift import Drift
+from hetero_sd.backends.drift import Drift
 from .timeline import Timeline
 
 

@@ -1,24 +1,10 @@
 """The physical floor of one decode step: every weight (and the KV cache so far) is read once per
 token, so a step cannot take less than bytes / memory bandwidth. Bandwidth is measured here, with the
-process's torch threads, as the best of a few full reads of a buffer much larger than the caches."""
+process's torch threads (hetero_sd.decoding.costs.read_bandwidth_gb_s)."""
 
 from __future__ import annotations
 
-import time
-
-import torch
-
-BUFFER_MB = 512
-
-
-def read_bandwidth_gb_s(repeats: int = 5, buffer_mb: int = BUFFER_MB) -> float:
-    x = torch.ones(buffer_mb * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - began)
-    return x.nbytes / best / 1e9
+from hetero_sd.decoding.costs import read_bandwidth_gb_s
 
 
 def target_bytes(target) -> tuple[int, int]:

@@ -1,0 +1,21 @@
+"""The Core ML compile cache: a draft's package is compiled once into the model home, keyed by the
+draft's folder and block size."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from hetero_sd.ane_compiler.compile import convert
+from hetero_sd.home import home, writable_home
+
+
+def compiled_package(reference, dfolder) -> Path:
+    """The draft's Core ML package, compiled on first use."""
+    key = hashlib.sha1(str(Path(dfolder or "random").resolve()).encode()).hexdigest()[:12]
+    package = home() / "compiled" / f"draft-{key}-b{reference.block_size}.mlpackage"
+    if not package.exists():
+        writable_home("compiling the draft for Core ML")
+        package.parent.mkdir(parents=True, exist_ok=True)
+        convert(reference, package)
+    return package

@@ -1,0 +1,90 @@
+"""Which backend runs a model on a device: the torch backend (cpu, cuda, mps), MLX, or the Neural
+Engine family (ane-sim, ane, coreml-gpu, coreml-cpu). Reduced-precision draft devices come wrapped with
+the float32 reference alongside (ShadowedDraft), which measures their precision drift."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hetero_sd.errors import ConfigError
+from hetero_sd.models.config import ArchConfig, DraftConfig
+
+from . import torch_backend
+from .base import DraftBackend, TargetBackend
+from .shadow import ShadowedDraft
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NEURAL_ENGINE = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")
+
+
+def resolve_dtype(dtype, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch_backend.default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def draft_dtype_for(draft_dtype, target_dtype, device: str) -> torch.dtype:
+    if draft_dtype is not None:
+        return resolve_dtype(draft_dtype, device)
+    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device))
+
+
+def dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def target_dtype_note(dtype: torch.dtype) -> str:
+    """A reduced-precision CPU target is a different target; say what it costs and what it breaks."""
+    note = (f"{dtype_name(dtype)} target: a different model than the float32 one (outside the parity tests' "
+            "1e-4); its CPU kernels are not batch-invariant, so DFlash can emit tokens that differ from "
+            "autoregressive decoding of this target where two logits nearly tie")
+    if dtype == torch.bfloat16 and not torch_backend.native_bf16():
+        note += "; this CPU has no native bf16 (AMX or AVX512-BF16): its matmuls are emulated, slower than float32"
+    return note
+
+
+def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context,
+                   notes: list[str] | None = None) -> TargetBackend:
+    """The target on its device; notes say what the caller might not expect (a reduced-precision target,
+    a kernel that did not build here)."""
+    if device == "mlx":
+        from . import mlx_backend
+        return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
+    dtype = resolve_dtype(dtype, device)
+    if device == "cpu" and dtype != torch.float32 and notes is not None:
+        notes.append(target_dtype_note(dtype))
+    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
+    if notes is not None:
+        notes += target.notes
+    return target
+
+
+def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend, device: str, dtype, mask: int,
+                  tensors: dict, notes: list[str]) -> DraftBackend:
+    """The draft on its device, paired with `target` (it shares the target's embedding and head)."""
+    if device == "mlx":
+        dcfg.format.require_plain("the MLX backend")
+        from . import mlx_backend
+        return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
+    if device not in NEURAL_ENGINE:
+        return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+    dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
+    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
+    if device == "ane-sim":
+        from .coreml import AneSimDraft
+
+        notes.append("draft device ane-sim is an EMULATION of the Neural Engine's fp16 arithmetic on the CPU: "
+                     "its numerics emulate the ANE fp16 format, its timings say nothing about the ANE")
+        return ShadowedDraft(AneSimDraft(reference), reference)
+    from .coreml.cache import compiled_package
+    from .coreml.device import CoreMLDraft
+
+    package = compiled_package(reference, dfolder)
+    notes.append(f"draft on {device} through Core ML ({package}); drift measured on every 8th block")
+    return ShadowedDraft(CoreMLDraft.open(reference, package, device), reference, every=8)

@@ -1,0 +1,51 @@
+"""One peer's results: tokens, seconds and per-prompt rows with the loop counts of repetition.py."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .repetition import add_counts, loop_counts, loop_figures
+
+
+@dataclass
+class PeerRow:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    skipped: bool = False
+    weights: str = ""  # which weights it reads, at what precision
+    prompts: list[dict] = field(default_factory=list)  # per prompt: tokens, seconds, loop counts, extras
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, ids: list[int], seconds: float, tokens: int | None = None, lengths: list[int] | None = None,
+            **extra) -> None:
+        """One answer: its generated ids (for the loop rule), seconds, token count (default len(ids)),
+        the tokens each verify step emitted (speculative peers that report them) and peer-specific extras."""
+        counts = loop_counts(ids, lengths)
+        tokens = len(ids) if tokens is None else tokens
+        self.prompts.append({"tokens": tokens, "seconds": seconds, **extra, "loop": counts, "output_ids": list(ids)}
+                            | loop_figures(counts))
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def tau(self) -> float | None:
+        """Pooled over the verify steps of every prompt, for peers that report steps."""
+        steps = [(p["tau"], p["steps"]) for p in self.prompts if p.get("tau") is not None and p.get("steps")]
+        return sum(t * n for t, n in steps) / sum(n for _, n in steps) if steps else None
+
+    def to_dict(self, spec_tokens_per_s: float, base_tokens_per_s: float | None = None) -> dict:
+        d = asdict(self)
+        ran = not self.skipped and self.seconds > 0
+        d.update(tokens_per_s=self.tokens_per_s, tau=self.tau,
+                 ratio_to_spec=self.tokens_per_s / spec_tokens_per_s if ran and spec_tokens_per_s else None,
+                 ratio_to_autoregressive=self.tokens_per_s / base_tokens_per_s if ran and base_tokens_per_s else None)
+        if any("identical" in p for p in self.prompts):
+            d["identical"] = all(p["identical"] for p in self.prompts)
+        if self.prompts:
+            d |= loop_figures(add_counts([p["loop"] for p in self.prompts]))
+        return d

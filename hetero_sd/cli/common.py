@@ -1,0 +1,65 @@
+"""What the commands share: the error console, SIGTERM handled as Ctrl-C, atomic JSON output, and
+loading a runtime from the model flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from hetero_sd.errors import OutputPathError
+from hetero_sd.runtime import load
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, CI runners and `kill` send), handled exactly like Ctrl-C: what finished
+    is kept and written, then the exit status is 143 (Ctrl-C: 130)."""
+
+
+def on_sigterm(signum, frame):
+    STATE["terminated"] = True
+    raise Terminated()
+
+
+def interrupted_status(e: BaseException | None = None) -> int:
+    return 143 if isinstance(e, Terminated) or STATE["terminated"] else 130
+
+
+STATE = {"terminated": False}  # set when SIGTERM arrived, for code that caught the interrupt on the way
+
+
+def block_arg(value: str) -> int | str:
+    if value in ("auto", "fixed"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a block size nor 'auto' or 'fixed'") from None
+
+
+def load_runtime(args, schedules: list[str], target_device: str | None = None, draft_device: str | None = None):
+    concurrent = next((s for s in schedules if s != "sequential"), "sequential")
+    return load(args.target, None if args.draft == "none" else args.draft,
+                target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, draft_dtype=args.draft_dtype, block_size=args.block_size,
+                schedule=concurrent, cpu_threads=args.threads)
+
+
+def write_json(path: str, data: dict, quiet: bool = False) -> None:
+    """Atomically: a reader (or a kill mid-write) sees the previous complete file or the new one."""
+    target = Path(path).expanduser()
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+        os.replace(tmp, target)
+    except OSError as e:
+        raise OutputPathError(f"cannot write {target} ({e.strerror})",
+                              "give a path in a folder you can write to") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not quiet:
+        err.print(f"[dim]wrote {target.resolve()}[/]")

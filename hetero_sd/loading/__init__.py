@@ -1,0 +1,2 @@
+"""Loading: where a model comes from (`sources.py`, the embedded default model), target/draft pairing,
+and the loader that turns names into backends (`loader.py`)."""
