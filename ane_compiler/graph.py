@@ -1,4 +1,5 @@
-"""The DFlash draft rewritten for the Apple Neural Engine (reference §6), as one static graph.
+"""The DFlash draft rewritten for the Apple Neural Engine (fp16 arithmetic, channels-first),
+as one static graph.
 
 Inputs are what the ANE can take: the block's token embeddings, a window of context features given
 explicitly (no stateful KV cache), RoPE tables, and an additive mask for unused window slots.
@@ -63,16 +64,17 @@ def holding(tensors: dict, rounding) -> nn.Module:
 
 class SafeDraftGraph(nn.Module):
     def __init__(self, draft, rounding=identity):
-        """draft: a loaded backends.torch_backend.TorchDraft (weights are copied as float32)."""
+        """draft: a loaded draft that exposes its weights (DraftBackend.weights: the torch backend's);
+        they are copied as float32."""
         super().__init__()
-        draft.format.require_plain("the Neural Engine graph")  # it has no convolution, selector or masks
-        self.arch, self.round = draft.arch, rounding
-        self.w = holding({"fc": draft.fc, "hidden_norm": draft.hidden_norm, "norm": draft.norm,
-                          "lm_head": draft.lm_head}, rounding)
+        w = draft.weights()
+        w.format.require_plain("the Neural Engine graph")  # it has no convolution, selector or masks
+        self.arch, self.round = w.config, rounding
+        self.w = holding({"fc": w.fc, "hidden_norm": w.hidden_norm, "norm": w.norm, "lm_head": w.lm_head}, rounding)
         names = ("wqkv", "bqkv", "wo", "w_gate_up", "w_down", "in_norm", "post_norm", "q_norm", "k_norm")
         self.layers = nn.ModuleList(holding({n: getattr(b, n) for n in names} | {"wkv": b.wkv, "bkv": b.bkv},
-                                            rounding) for b in draft.blocks)
-        self.nq, self.nkv, self.hidden = draft.blocks[0].nq, draft.blocks[0].nkv, draft.arch.hidden_size
+                                            rounding) for b in w.layers)
+        self.nq, self.nkv, self.hidden = w.layers[0].nq, w.layers[0].nkv, w.config.hidden_size
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.round(F.conv2d(x, weight))

@@ -1,1 +1,2 @@
-"""Device backends. Each family implements the two small interfaces in `backends.base`."""
+"""Device backends (shipped as hetero_sd.backends). Each family implements the two small interfaces in `base.py`;
+`placement.py` picks the backend for a device."""

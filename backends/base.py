@@ -9,17 +9,56 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from hetero_sd.models.config import ArchConfig
+from hetero_sd.models.draft_format import DraftFormat
 
 
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [T, vocab] float32: every new position, or only the last one
     features: torch.Tensor | None  # [T, len(layer_ids) * hidden]: context features for the draft
+
+
+class LayerWeights(Protocol):
+    """One decoder layer's weights as [in, out] matrices: fused q|k|v (and k|v alone: the draft's
+    projection of the context features), o, fused gate|up, down; its norms; biases and q/k norms where
+    the model has them (else None)."""
+
+    wqkv: torch.Tensor
+    wkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    bkv: torch.Tensor | None
+    wo: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    nq: int  # width of q (heads * head_dim)
+    nkv: int  # width of k and of v
+
+
+@dataclass
+class ModelWeights:
+    """A model's weights as its backend holds them, for code outside the backend that reads them (the
+    Neural Engine graph and its host, the bandwidth floor, step-cost floors). The draft's embedding and
+    head are the target's."""
+
+    config: ArchConfig
+    embed: torch.Tensor  # [vocab, hidden]
+    lm_head: torch.Tensor  # [hidden, vocab]
+    norm: torch.Tensor
+    layers: Sequence[LayerWeights]
+    kv_bytes_per_position: int
+    rope: object  # RoPE tables: rope.at(start, count) -> (cos, sin)
+    fc: torch.Tensor | None = None  # the draft's: context features -> hidden, [features, hidden]
+    hidden_norm: torch.Tensor | None = None  # the draft's norm of the fused features
+    format: DraftFormat | None = None  # the draft's format (DFlash, DFlash2, ...)
 
 
 def feature_parts(layer_ids: list[int], captured: list, num_layers: int, final_norm) -> list:
@@ -50,17 +89,23 @@ class TargetBackend(ABC):
         """Forget every position from `length` on (rejected drafts)."""
 
     def synchronize(self) -> None:
-        """Wait for queued device work (for honest timings on asynchronous devices)."""
+        """Wait for queued device work; the lanes call it at the end of every job, so that a span on an
+        asynchronous device (CUDA, MPS) ends when its kernels do, not when they were launched."""
 
     def fork(self) -> "TargetBackend":
         """Another instance over the same weights with its own empty cache (two requests at once)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")
+
+    def weights(self) -> ModelWeights:
+        """The weights, for readers outside the backend (floors)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
 
 
 class DraftBackend(ABC):
     block_size: int
     mask_token_id: int
     device: str
+    last_hidden: torch.Tensor | None = None  # the last block's final hidden states [B-1, hidden], if kept
 
     @property
     @abstractmethod
@@ -84,8 +129,20 @@ class DraftBackend(ABC):
         """Forget context from position `length` on."""
 
     def synchronize(self) -> None:
-        pass
+        """As for the target: wait for queued device work (called by the lanes after every job)."""
 
-    def fork(self, target: TargetBackend) -> "DraftBackend":
-        """Another instance over the same weights with its own empty context, paired with `target`."""
+    def fork(self) -> "DraftBackend":
+        """Another instance over the same weights with its own empty context."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")
+
+    def weights(self) -> ModelWeights:
+        """The weights, for readers outside the backend (the Neural Engine graph and its host, floors)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
+
+
+def weights_of(backend) -> ModelWeights | None:
+    """The backend's declared weights, or None for a backend that does not expose them."""
+    try:
+        return backend.weights()
+    except NotImplementedError:
+        return None

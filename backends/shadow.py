@@ -36,9 +36,12 @@ class ShadowedDraft(DraftBackend):
         self.calls += 1
         if self.calls % self.every == 0:
             ref = self.reference.propose(anchor, position, size)
-            self.meter.add(ref, logits, getattr(self.reference, "last_hidden", None),
-                           getattr(self.inner, "last_hidden", None))
+            self.meter.add(ref, logits, self.reference.last_hidden, self.inner.last_hidden)
         return logits
 
-    def fork(self, target) -> "ShadowedDraft":
-        return ShadowedDraft(self.inner.fork(target), self.reference.fork(target), self.every)
+    def fork(self) -> "ShadowedDraft":
+        return ShadowedDraft(self.inner.fork(), self.reference.fork(), self.every)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+        self.reference.synchronize()

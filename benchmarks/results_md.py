@@ -52,7 +52,7 @@ def run_section(name: str, res: dict) -> list[str]:
     lines.append("")
     if res.get("loops"):
         lines += [f"Loop share: the tokens that end a run of {res['loops']['ngram']} tokens already generated earlier in the same "
-                  "answer (hetero_sd/loops.py); loop-free tau and speedup count only the other tokens.", ""]
+                  "answer (hetero_sd/bench/repetition.py); loop-free tau and speedup count only the other tokens.", ""]
     if any("spec_tokens" in r and "steps" not in r for r in res["prompts"]):  # JSON from before pooled rows
         lines += ["(In this file a category's tau is the mean of its prompts' taus; the **all** row pools every "
                   "verify step.)", ""]

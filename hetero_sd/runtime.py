@@ -90,7 +90,7 @@ class Slots:
                 return self.free.pop()
         # Forks allocate on the device, so they run on its lane (device-affine runtimes need that).
         target = self.target_lane.call(self.target.fork)
-        draft = None if self.draft is None else self.draft_lane.call(lambda: self.draft.fork(target))
+        draft = None if self.draft is None else self.draft_lane.call(self.draft.fork)
         return target, draft
 
     def give(self, pair: tuple) -> None:
@@ -151,9 +151,9 @@ class Runtime:
         self.check_open()
         prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat)
-        return self.run(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
+        return self.decode(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
-    def run(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
+    def decode(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
             speculative: bool = True, rule: str = "match", schedule: str | None = None,
             timeline: Timeline | None = None, request: int = 0, draft=None,
@@ -180,7 +180,7 @@ class Runtime:
         if schedule == "overlap" and use_draft:
             stats.notes += oversubscription(self.target.device, self.draft.device)
         req = decoding.Request(None, None, prompt_ids, Sampler(SamplingParams(temperature, top_k, top_p), seed),
-                               decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else [], stats),
+                               decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else []),
                                stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
         if use_draft:
             req.policy = self.block_policy(block, prompt_ids)
@@ -194,9 +194,10 @@ class Runtime:
         try:
             req.target = pair[0]
             if use_draft:
-                req.draft = pair[1] if draft is None else self.draft_lane.call(lambda: draft.fork(pair[0]))
+                req.draft = pair[1] if draft is None else self.draft_lane.call(draft.fork)
                 if isinstance(req.draft, ShadowedDraft):  # drift of this generation
                     req.draft.meter = req.stats.drift = Drift(req.draft.device)
+            req.lanes.bind(req.target, req.draft)
             yield from loop(req)
         finally:
             self.slots.give(pair)
@@ -233,7 +234,8 @@ class Runtime:
         pair = self.slots.take()
         try:
             req = decoding.Request(*pair, prompt_ids, Sampler(SamplingParams()),
-                                   decoding.Budget(1, [], stats), stats, self.lanes(stats.timeline))
+                                   decoding.Budget(1, []), stats, self.lanes(stats.timeline))
+            req.lanes.bind(*pair)
             anchor, features = decoding.prefill(req, features=True)
             logits = decoding.first_block(req, anchor, features)
         finally:
@@ -246,9 +248,9 @@ class Runtime:
 
     def block_policy(self, block: str | int, prompt_ids: list[int]):
         """The per-step block size: the controller (a fresh one per generation, over the runtime's
-        memory), or a fixed size."""
+        memory), or a fixed size ("fixed": the draft's own)."""
         if block == "fixed":
-            return None
+            return FixedBlock(self.draft.block_size)
         if block == "auto":
             return AutoBlock(self.draft.block_size, self.controller_memory(), prompt_ids)
         return FixedBlock(validate.block(block, self.draft.block_size))
@@ -288,7 +290,7 @@ class Runtime:
 
     def collect(self, prompt_ids, notes, stop_at_eos, **kwargs) -> Generation:
         ids, stats = [], None
-        for event in self.run(prompt_ids, notes, stop_at_eos, **kwargs):
+        for event in self.decode(prompt_ids, notes, stop_at_eos, **kwargs):
             ids += event.token_ids
             stats = event.stats
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)

@@ -1,4 +1,4 @@
-"""The loop rule (loops.py) on hand-made answers."""
+"""The loop rule (hetero_sd/bench/repetition.py) on hand-made answers."""
 
 from __future__ import annotations
 

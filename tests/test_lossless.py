@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hetero_sd.decoding.loop
+from hetero_sd.decoding import loop
 from hetero_sd.decoding.sampling import Verdict
 
 from .doubles import OracleDraft, with_draft
@@ -58,7 +58,7 @@ def test_the_comparison_catches_a_broken_verifier(smollm_random, baselines, monk
     def accept_all(sampler, target_logits, drafted, q, rule):
         return Verdict(len(drafted), drafted + sampler.sample(target_logits[-1:]))
 
-    monkeypatch.setattr(hetero_sd.decoding, "verify", accept_all)
+    monkeypatch.setattr(loop, "verify", accept_all)
     prompt = PROMPTS[0]
     spec = smollm_random.generate(prompt, max_new_tokens=MAX_NEW)
     assert spec.token_ids != baselines[prompt].token_ids

@@ -1,5 +1,5 @@
 """Our torch backend against transformers' own models (targets) and against a direct, cache-free
-transcription of reference §2 (the DFlash draft)."""
+transcription of the DFlash draft's forward pass (z-lab's published model code)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_smollm2_matches_transformers(default_folder):
 
 
 def reference_draft(w: dict, cfg: ArchConfig, feats, block_ids, start, embed, lm_head):
-    """Reference §2 written out literally: no cache, eager attention, GQA by repetition."""
+    """The DFlash draft's forward written out literally: no cache, eager attention, GQA by repetition."""
     eps, hd = cfg.rms_norm_eps, cfg.head_dim
 
     def norm(x, weight):

@@ -11,7 +11,7 @@ import hetero_sd
 from hetero_sd.backends.torch_backend import load_draft, load_target
 from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
 from hetero_sd.models.draft_init import draft_config, write_draft
-from hetero_sd.train.model import TrainableDraft, TrainingVocab
+from hetero_sd.train.model import TrainingDraft, TrainingVocab
 from hetero_sd.train.trainer import (FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce,
                                      split_held_out, train)
 from hetero_sd.models.weights import load_weights
@@ -21,7 +21,7 @@ def test_training_forward_is_the_inference_forward(tmp_path, tiny_llama):
     tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
     raw = draft_config(tcfg, num_layers=2, block_size=5, mask_token_id=3, layer_ids=[0, 1])
     target = load_target(tiny_llama, tcfg, "cpu", torch.float32, [0, 1])
-    model = TrainableDraft(raw, target.embed, target.lm_head.t())
+    model = TrainingDraft(raw, target.embed, target.lm_head.t())
     init_from_target(model, load_weights(tiny_llama), tcfg.num_hidden_layers)
     with torch.no_grad():
         for p in model.parameters():

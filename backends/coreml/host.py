@@ -9,7 +9,7 @@ import torch
 
 from hetero_sd.ane_compiler.graph import MASKED, channels_first
 
-from hetero_sd.backends.base import DraftBackend
+from ..base import DraftBackend
 
 WINDOW = 512  # context positions given to the graph (a compiled package has exactly this many)
 
@@ -18,11 +18,13 @@ class WindowedDraft(DraftBackend):
     pad = False  # True: fixed shapes (a compiled package): pad the window, mask the unused slots
 
     def __init__(self, reference, window: int = WINDOW):
-        """reference: the loaded float32 TorchDraft (weights, embeddings, RoPE tables)."""
-        self.embed, self.rope, self.window = reference.embed.float(), reference.rope, window
+        """reference: the loaded float32 draft (the torch backend's), whose declared weights give the
+        embeddings, RoPE tables and feature width."""
+        w = reference.weights()
+        self.embed, self.rope, self.window = w.embed.float(), w.rope, window
         self.block_size, self.mask_token_id = reference.block_size, reference.mask_token_id
-        self.eps = reference.arch.rms_norm_eps
-        self.features = torch.zeros(0, reference.fc.shape[0])
+        self.eps = w.config.rms_norm_eps
+        self.features = torch.zeros(0, w.fc.shape[0])
         self.last_hidden: torch.Tensor | None = None
 
     @property
@@ -35,7 +37,7 @@ class WindowedDraft(DraftBackend):
     def crop(self, length: int) -> None:
         self.features = self.features[:length]
 
-    def fork(self, target) -> "WindowedDraft":
+    def fork(self) -> "WindowedDraft":
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__, features=self.features[:0], last_hidden=None)
         return twin

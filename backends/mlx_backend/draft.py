@@ -1,4 +1,4 @@
-"""The DFlash draft in MLX (reference §2), the same math as backends/torch_backend/draft.py."""
+"""The DFlash draft in MLX, the same math as backends/torch_backend/draft.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.weights import take
 
 from hetero_sd.backends.base import DraftBackend
-from .layers import Block, KVCache, Rope, rms_norm, to_mx
+from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
 from .target import to_torch
 
 
@@ -27,7 +27,7 @@ class MLXDraft(DraftBackend):
         self.fc = to_mx(take(tensors, "fc.weight", (h, feature_size), where).t(), dtype)
         self.hidden_norm = to_mx(take(tensors, "hidden_norm.weight", (h,), where), dtype)
         self.norm = to_mx(take(tensors, "norm.weight", (h,), where), dtype)
-        self.blocks = [Block(arch, tensors, f"layers.{i}.", where, dtype) for i in range(arch.num_hidden_layers)]
+        self.layers = [DecoderLayer(arch, tensors, f"layers.{i}.", where, dtype) for i in range(arch.num_hidden_layers)]
         self.embed = embed.astype(dtype) if isinstance(embed, mx.array) else to_mx(embed, dtype)
         self.lm_head = lm_head.astype(dtype) if isinstance(lm_head, mx.array) else to_mx(lm_head, dtype)
         self.rope = Rope(arch, dtype)
@@ -41,7 +41,7 @@ class MLXDraft(DraftBackend):
     def crop(self, length: int) -> None:
         self.cache.length = min(self.cache.length, length)
 
-    def fork(self, target) -> "MLXDraft":
+    def fork(self) -> "MLXDraft":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
         return twin
@@ -50,8 +50,8 @@ class MLXDraft(DraftBackend):
         start, count = self.cache.length, features.shape[0]
         fused = rms_norm(to_mx(features, self.dtype)[None] @ self.fc, self.hidden_norm, self.arch.rms_norm_eps)
         cos, sin = self.rope.at(start, count)
-        for i, block in enumerate(self.blocks):
-            k, v = block.project(fused, cos, sin, queries=False)  # fused features feed k/v directly
+        for i, layer in enumerate(self.layers):
+            k, v = layer.project(fused, cos, sin, queries=False)  # fused features feed k/v directly
             self.cache.write(i, start, k, v)
         self.cache.length = start + count
         mx.eval(*self.cache.k, *self.cache.v)
@@ -61,11 +61,11 @@ class MLXDraft(DraftBackend):
         size = min(size or self.block_size, self.block_size)
         h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (size - 1)])]
         cos, sin = self.rope.at(start if position is None else position, size)
-        for i, block in enumerate(self.blocks):
-            q, k, v = block.project(rms_norm(h, block.in_norm, eps), cos, sin)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project(rms_norm(h, layer.in_norm, eps), cos, sin)
             # the block's K/V go after the context but `length` stays: the next context overwrites them
             k, v = self.cache.write(i, start, k, v)
-            h = block.attend(h, q, k, v, None)
+            h = layer.attend(h, q, k, v, None)
         hidden = rms_norm(h[0, 1:], self.norm, eps)
         logits = hidden @ self.lm_head
         mx.eval(logits, hidden)

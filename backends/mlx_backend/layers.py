@@ -78,7 +78,7 @@ class KVCache:
         self.k[layer], self.v[layer] = k, v
 
 
-class Block:
+class DecoderLayer:
     """One pre-norm decoder layer (fused q|k|v and gate|up, weights [in, out])."""
 
     def __init__(self, cfg: ArchConfig, tensors: dict, prefix: str, where, dtype):

@@ -14,7 +14,7 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import take
 
 from hetero_sd.backends.base import TargetBackend, TargetOutput, feature_parts
-from .layers import Block, KVCache, Rope, rms_norm, to_mx
+from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
 
 
 def to_torch(x: mx.array) -> torch.Tensor:
@@ -33,7 +33,7 @@ class MLXTarget(TargetBackend):
         head = embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
         self.embed, self.lm_head = to_mx(embed, dtype), to_mx(head.t(), dtype)  # lm_head [hidden, vocab]
         self.norm = to_mx(take(tensors, "model.norm.weight", (h,), where), dtype)
-        self.blocks = [Block(cfg, tensors, f"model.layers.{i}.", where, dtype) for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, tensors, f"model.layers.{i}.", where, dtype) for i in range(cfg.num_hidden_layers)]
         self.rope = Rope(cfg, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, dtype)
 
@@ -58,10 +58,10 @@ class MLXTarget(TargetBackend):
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else causal_mask(start, count, self.dtype)
         captured = []
-        for i, block in enumerate(self.blocks):
-            q, k, v = block.project(rms_norm(h, block.in_norm, self.config.rms_norm_eps), cos, sin)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project(rms_norm(h, layer.in_norm, self.config.rms_norm_eps), cos, sin)
             keys, values = self.cache.write(i, start, k, v)
-            h = block.attend(h, q, keys, values, mask)
+            h = layer.attend(h, q, keys, values, mask)
             if features and i in self.layer_ids:
                 captured.append(h)
         self.cache.length = start + count

@@ -8,7 +8,7 @@
   whose dynamic part was projected from the same normed input.
 - Candidate selector: the top-k of each position's logits, rescored as
   logit(c) + <pred[previous] * P h_i, succ[c]> (low-rank codebooks over the vocabulary, P a projection
-  of the draft's final hidden state), walked in order; see hetero_sd/selection.py."""
+  of the draft's final hidden state), walked in order; see backends/selection.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hetero_sd.errors import ConfigError
 from hetero_sd.backends.selection import SelectorBlock
 from hetero_sd.models.weights import take
 
-from .layers import Block, linear, rms_norm
+from .layers import DecoderLayer, linear, rms_norm
 
 
 def convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
@@ -60,16 +60,16 @@ def layer_convs(tensors: dict, cfg: DraftConfig, where, device, dtype) -> list[t
             for i in range(cfg.arch.num_hidden_layers)]
 
 
-def conv_layer(block: Block, convs: tuple[DynamicConv, DynamicConv], h: torch.Tensor, cos, sin, write, mask):
+def conv_layer(layer: DecoderLayer, convs: tuple[DynamicConv, DynamicConv], h: torch.Tensor, cos, sin, write, mask):
     """One DFlash2 layer: the DFlash layer with each sublayer wrapped in its convolution.
     `write(k, v)` stores the block's K/V after the context and returns all keys and values."""
     attention_conv, mlp_conv = convs
-    x, kernel = attention_conv.prepare(rms_norm(h, block.in_norm, block.cfg.rms_norm_eps))
-    q, k, v = block.project_qkv(x, cos, sin)
+    x, kernel = attention_conv.prepare(rms_norm(h, layer.in_norm, layer.cfg.rms_norm_eps))
+    q, k, v = layer.project_qkv(x, cos, sin)
     keys, values = write(k, v)
-    h = h + attention_conv.finish(block.attention(q, keys, values, mask), kernel)
-    x, kernel = mlp_conv.prepare(rms_norm(h, block.post_norm, block.cfg.rms_norm_eps))
-    return h + mlp_conv.finish(block.mlp(x), kernel)
+    h = h + attention_conv.finish(layer.attention(q, keys, values, mask), kernel)
+    x, kernel = mlp_conv.prepare(rms_norm(h, layer.post_norm, layer.cfg.rms_norm_eps))
+    return h + mlp_conv.finish(layer.mlp(x), kernel)
 
 
 class Selector:

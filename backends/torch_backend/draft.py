@@ -1,7 +1,7 @@
-"""The DFlash draft on torch (reference §2): context features fused once, K/V of the context cached,
+"""The DFlash draft on torch: context features fused once, K/V of the context cached,
 the block [anchor, mask, ...] denoised in one pass through the target's embedding and head.
 Non-causal by default; per-layer causal or sliding-window masks and the DFlash2 pieces as the
-draft's format says (hetero_sd/draft_format.py, dflash2.py)."""
+draft's format says (hetero_sd/models/draft_format.py, dflash2.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,20 @@ import torch.nn.functional as F
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.weights import take
 
-from hetero_sd.backends.base import DraftBackend
+from ..base import DraftBackend, ModelWeights
 from .dflash2 import Selector, conv_layer, layer_convs
 from .gemm import Packed
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
+from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
 class TorchDraft(CacheOwner, DraftBackend):
+    """The draft for inference (`add_context`, `propose`: one block on the cached context) and for
+    training (`denoise`: many blocks in one differentiable pass, built with pack=False over the
+    trained tensors; hetero_sd/train/model.py)."""
+
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
-                 max_context: int, lm_head_mm=None):
+                 max_context: int, lm_head_mm=None, pack: bool = True):
         arch = self.arch = cfg.arch
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
@@ -33,12 +37,12 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
         self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
         self.notes: list[str] = []
-        self.blocks = [Block(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), self.notes)
-                       for i in range(arch.num_hidden_layers)]
+        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), self.notes,
+                                    pack) for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
         self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype))
-        self.mm_head = shared_multiplier(self.lm_head, lm_head_mm, self.notes)
-        self.mm_fc = multiplier(self.fc, self.notes)
+        self.mm_head = shared_multiplier(self.lm_head, lm_head_mm, self.notes) if pack else self.lm_head
+        self.mm_fc = multiplier(self.fc, self.notes) if pack else self.fc
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
@@ -52,20 +56,33 @@ class TorchDraft(CacheOwner, DraftBackend):
     def context_length(self) -> int:
         return self.cache.length
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Context features [T, L*H] -> [1, T, H]: what every layer's k/v projection reads."""
+        return rms_norm(linear(features.to(self.device, self.dtype)[None], self.mm_fc), self.hidden_norm,
+                        self.arch.rms_norm_eps)
+
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [1, T] ([anchor, mask, ...] per block) -> the layers' input [1, T, H]."""
+        h = F.embedding(ids, self.embed)
+        return h * self.format.input_embedding_scale if self.format.input_embedding_scale != 1.0 else h
+
     @torch.inference_mode()
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
         self.cache.reserve(start + count + self.block_size)
-        fused = rms_norm(linear(features.to(self.device, self.dtype)[None], self.mm_fc),
-                         self.hidden_norm, self.arch.rms_norm_eps)
+        fused = self.fuse(features)
         cos, sin = self.rope.at(start, count)
-        for i, block in enumerate(self.blocks):
+        for i, layer in enumerate(self.layers):
             # The fused features feed every layer's k/v directly: no input norm on them.
-            k, v = block.project_kv(fused, cos, sin)
+            k, v = layer.project_kv(fused, cos, sin)
             self.cache.write(i, start, k, v)
         self.cache.length = start + count
 
-    def fork(self, target) -> "TorchDraft":
+    def weights(self) -> ModelWeights:
+        return ModelWeights(self.arch, self.embed, self.lm_head, self.norm, self.layers,
+                            self.cache.bytes_per_position(), self.rope, self.fc, self.hidden_norm, self.format)
+
+    def fork(self) -> "TorchDraft":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
         return twin
@@ -77,24 +94,41 @@ class TorchDraft(CacheOwner, DraftBackend):
         position = start if position is None else position
         ids = torch.full((1, size), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
-        h = F.embedding(ids, self.embed)
-        if self.format.input_embedding_scale != 1.0:
-            h = h * self.format.input_embedding_scale
+        h = self.embed_block(ids)
         # Cache slots follow the context; RoPE carries the true positions.
         cos, sin = self.rope.at(position, size)
         masks = block_masks(self.format.attention, start, position, size, self.device)
-        for i, block in enumerate(self.blocks):
+        for i, layer in enumerate(self.layers):
             # The block's K/V go after the context and are never kept (length is not advanced).
             write = partial(self.cache.write, i, start)
             if self.convs is not None:
-                h = conv_layer(block, self.convs[i], h, cos, sin, write, masks[i])
+                h = conv_layer(layer, self.convs[i], h, cos, sin, write, masks[i])
                 continue
-            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, eps), cos, sin)
+            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
             keys, values = write(k, v)
-            h = block.attend(h, q, keys, values, masks[i])
+            h = layer.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
         logits = output_logits(linear(self.last_hidden, self.mm_head), self.format).float()
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
+
+
+    def denoise(self, features: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Blocks on a context without the cache, differentiably (training runs every block of a sequence
+        in one pass): context `features` [S, L*H] at positions 0..S-1; block rows `block_ids` [R] at
+        `positions` [R]; `mask` [R, S + R]: which keys (context, then block rows) each row sees. Returns
+        the final hidden states [R, H] (what `propose` turns into logits). With one block and a mask
+        that shows it the context before its anchor, this is `propose` (the training tests check it)."""
+        eps = self.arch.rms_norm_eps
+        context = self.fuse(features)
+        h = self.embed_block(block_ids[None])
+        ctx_cos, ctx_sin = self.rope.at(0, features.shape[0])
+        cos, sin = (table[positions] for table in self.rope.at(0, int(positions.max()) + 1))
+        for layer in self.layers:  # the context's K/V as add_context computes them, the block's as propose does
+            k_ctx, v_ctx = layer.project_kv(context, ctx_cos, ctx_sin)
+            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
+            h = layer.attend(h, q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask)
+        return rms_norm(h[0], self.norm, eps)
 
 
 def output_logits(logits: torch.Tensor, fmt) -> torch.Tensor:

@@ -126,6 +126,10 @@ class KVCache:
     def empty_like(self) -> "KVCache":
         return KVCache(self.cfg, self.num_layers, self.device, self.dtype, self.limit)
 
+    def bytes_per_position(self) -> int:
+        """K and V of every layer for one position."""
+        return 2 * self.num_layers * self.shape[1] * self.shape[3] * self.dtype.itemsize
+
     def reserve(self, n: int) -> None:
         have = self.k[0].shape[2] if self.k else 0
         if n <= have:
@@ -162,13 +166,16 @@ class CacheOwner:
             torch.mps.synchronize()
 
 
-class Block:
+class DecoderLayer:
     """One pre-norm decoder layer with fused weights (no nn.Module: inference only). The w* tensors are
     the weights as [in, out] matrices (for other consumers: the ANE compiler, floors); the mm_* are what
     the forward multiplies by (see `multiplier`)."""
 
-    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], notes: list[str] | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], notes: list[str] | None = None,
+                 pack: bool = True):
+        """pack=False: multiply by the [in, out] matrices as they are (training: differentiable, no
+        packed copies of weights that change every step)."""
+        self.cfg, self.pack = cfg, pack
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
         self.wqkv = orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
@@ -181,15 +188,18 @@ class Block:
         self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.notes = notes
-        self.mm_qkv, self.mm_o = multiplier(self.wqkv, notes), multiplier(self.wo, notes)
-        self.mm_gate_up, self.mm_down = multiplier(self.w_gate_up, notes), multiplier(self.w_down, notes)
+        self.mm_qkv, self.mm_o = self.multiplier(self.wqkv), self.multiplier(self.wo)
+        self.mm_gate_up, self.mm_down = self.multiplier(self.w_gate_up), self.multiplier(self.w_down)
         self._mm_kv = None
+
+    def multiplier(self, weight_t: torch.Tensor):
+        return multiplier(weight_t, self.notes) if self.pack else weight_t
 
     @property
     def mm_kv(self):
         """k|v only (the draft's context features): packed on first use, the target never needs it."""
         if self._mm_kv is None:
-            self._mm_kv = multiplier(self.wkv, self.notes)
+            self._mm_kv = self.multiplier(self.wkv)
         return self._mm_kv
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -217,7 +227,7 @@ class Block:
         return apply_rope(k, cos, sin)
 
     def attend(self, h, q, keys, values, mask):
-        """Attention output projected and added to the residual, then the MLP half of the block."""
+        """Attention output projected and added to the residual, then the MLP half of the layer."""
         h = h + self.attention(q, keys, values, mask)
         return h + self.mlp(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps))
 

@@ -13,8 +13,8 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import take
 
-from hetero_sd.backends.base import TargetBackend, TargetOutput, feature_parts
-from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
+from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
+from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
 class TorchTarget(CacheOwner, TargetBackend):
@@ -30,10 +30,14 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
         self.notes: list[str] = []  # announced by the runtime (e.g. a kernel that did not build)
         self.mm_head = multiplier(self.lm_head, self.notes)
-        self.blocks = [Block(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
+        self.layers = [DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
                        for i in range(cfg.num_hidden_layers)]
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
+
+    def weights(self) -> ModelWeights:
+        return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
+                            self.cache.bytes_per_position(), self.rope)
 
     def fork(self) -> "TorchTarget":
         twin = copy.copy(self)
@@ -56,10 +60,10 @@ class TorchTarget(CacheOwner, TargetBackend):
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else self.causal_mask(start, count)
         captured = []
-        for i, block in enumerate(self.blocks):
-            q, k, v = block.project_qkv(rms_norm(h, block.in_norm, self.config.rms_norm_eps), cos, sin)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, self.config.rms_norm_eps), cos, sin)
             keys, values = self.cache.write(i, start, k, v)
-            h = block.attend(h, q, keys, values, mask)
+            h = layer.attend(h, q, keys, values, mask)
             if features and i in self.layer_ids:
                 captured.append(h)
         self.cache.length = start + count

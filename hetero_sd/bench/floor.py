@@ -8,14 +8,14 @@ from hetero_sd.decoding.costs import read_bandwidth_gb_s
 
 
 def target_bytes(target) -> tuple[int, int]:
-    """(bytes of weights read per decode step, bytes of KV cache per position) for a torch target."""
-    weights = target.lm_head.nbytes + target.norm.nbytes + target.embed[0].nbytes  # one embedding row
-    for block in target.blocks:
-        weights += sum(t.nbytes for t in (block.wqkv, block.wo, block.w_gate_up, block.w_down, block.in_norm,
-                                          block.post_norm) if t is not None)
-    cfg = target.config
-    kv_per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * target.lm_head.element_size()
-    return weights, kv_per_position
+    """(bytes of weights read per decode step, bytes of KV cache per position) for a target that exposes
+    its weights (TargetBackend.weights)."""
+    w = target.weights()
+    weights = w.lm_head.nbytes + w.norm.nbytes + w.embed[0].nbytes  # one embedding row
+    for layer in w.layers:
+        weights += sum(t.nbytes for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, layer.in_norm,
+                                          layer.post_norm) if t is not None)
+    return weights, w.kv_bytes_per_position
 
 
 def floor_report(target, context: int, systems: dict[str, float], gguf_bytes: int | None = None) -> dict:

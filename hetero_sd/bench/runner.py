@@ -17,6 +17,7 @@ from .repetition import LOOP_NGRAM, add_counts, loop_counts, loop_figures, step_
 from hetero_sd.prompts import Prompt
 from hetero_sd.runtime import Runtime, check_schedule
 from hetero_sd.decoding.stats import Stats
+from hetero_sd.decoding.timeline import overlap_fraction
 
 WARMUP = "Say hello."
 
@@ -83,8 +84,8 @@ def run_bench(runtime: Runtime, prompts: list[Prompt], *, max_new_tokens: int = 
 def drift_summary(device_runs: list, reference_runs: list) -> dict:
     """The device's drift against the float32 reference, and tau(device) / tau(reference) on the same prompts."""
     drift = Drift.total([g.stats.drift for g in device_runs if g.stats.drift]).to_dict()
-    tau_device = merge(device_runs, device_runs[0].stats.block_size).tau
-    tau_reference = merge(reference_runs, reference_runs[0].stats.block_size).tau
+    tau_device = pooled(device_runs, device_runs[0].stats.block_size).tau
+    tau_reference = pooled(reference_runs, reference_runs[0].stats.block_size).tau
     return drift | {"tau_device": tau_device, "tau_reference": tau_reference, "tau_ratio": tau_device / tau_reference}
 
 
@@ -111,7 +112,7 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
 
 
 def loops_row(ids: list[int], accepted_per_step: list[int] | None = None, speedup: float | None = None) -> dict:
-    """Loop counts of one answer (see loops.py) and its figures: loop share; with its verify steps,
+    """Loop counts of one answer (see repetition.py) and its figures: loop share; with its verify steps,
     tau and speedup on everything and on the loop-free part."""
     lengths = None if accepted_per_step is None else step_lengths(accepted_per_step, len(ids))
     counts = loop_counts(ids, lengths)
@@ -125,16 +126,13 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
     timelines = {id(s.timeline): s.timeline for s in stats}.values()
     wall = (gens[0].stats.timeline.wall_s() if schedule == "pipeline" else sum(s.total_s for s in stats))
     tokens = sum(s.num_generated_tokens for s in stats)
-    draft = sum(t.busy_s("draft") for t in timelines)
-    hidden = sum(t.concurrent_s() for t in timelines)
-    total = merge(gens, stats[0].block_size)
-    steps = sum(s.predraft_steps for s in stats)
+    total = pooled(gens, stats[0].block_size)
     return {"schedule": schedule, "block": block or default_block, "wall_s": wall, "tokens": tokens, "tau": total.tau,
             "spec_tokens_per_s": tokens / wall, "speedup": tokens / wall / base_tps,
-            "overlap_fraction": hidden / draft if draft else 0.0,
+            "overlap_fraction": overlap_fraction(timelines),
             "lossless": (all(g.token_ids == r["baseline_ids"] for g, r in zip(gens, rows))
                          if temperature == 0 else None),
-            "predraft_hit_rate": sum(s.predraft_hits for s in stats) / steps if steps else None,
+            "predraft_hit_rate": total.predraft_hit_rate if total.predraft_steps else None,
             "draft_to_verify_cost": cost_ratio(timelines),
             "mean_verify_s": mean_span(timelines, "verify"), "mean_draft_s": mean_span(timelines, "draft"),
             "fallbacks": sum(s.fallback is not None for s in stats),
@@ -159,7 +157,8 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
     schedules = [schedule_row(key, gens, rows, base_tps, gen["temperature"], runtime.block)
                  for key, gens in runs.items()]
     main = schedules[0]
-    total = merge(next(iter(runs.values())), runtime.block_size)
+    first = next(iter(runs.values()))
+    total = pooled(first, runtime.block_size)
     for r in rows:
         r.pop("baseline_ids")
     return {
@@ -173,14 +172,14 @@ def summary(runtime: Runtime, rows: list[dict], runs: dict, gen: dict) -> dict:
         "draft_acceptance_rate": total.draft_acceptance_rate,
         "time_split_s": {"prefill": total.prefill_s, "draft": total.draft_s, "verify": total.verify_s,
                          "other": total.other_s},
-        "categories": categories(rows), "notes": runtime.notes, "prompts": rows,
+        "categories": categories(rows, first), "notes": runtime.notes, "prompts": rows,
         "timelines": [(f"{s} block {b or runtime.block} #{g.stats.request}", g.stats.timeline)
                       for (s, b), gens in runs.items() for g in (gens if s != "pipeline" else gens[:1])],
     }
 
 
-def categories(rows: list[dict]) -> dict:
-    """Per-category totals of the first schedule against the baseline."""
+def categories(rows: list[dict], gens: list) -> dict:
+    """Per-category totals of the first schedule (its generations: `gens`, one per row) against the baseline."""
     out = {}
     for name in dict.fromkeys(r["category"] for r in rows):
         mine = [r for r in rows if r["category"] == name and "spec_tokens" in r]
@@ -188,20 +187,12 @@ def categories(rows: list[dict]) -> dict:
             continue
         base = sum(r["baseline_tokens"] for r in mine) / sum(r["baseline_s"] for r in mine)
         spec = sum(r["spec_tokens"] for r in mine) / sum(r["spec_s"] for r in mine)
-        steps = sum(r["steps"] for r in mine)  # tau pooled over the set's steps, as the run's own tau is
+        tau = pooled([gens[r["index"]] for r in mine], 0).tau  # over the set's steps, as the run's own tau is
         out[name] = {"prompts": len(mine), "baseline_tokens_per_s": base, "spec_tokens_per_s": spec,
-                     "speedup": spec / base, "tau": (sum(r["accepted"] for r in mine) + steps) / max(steps, 1)}
+                     "speedup": spec / base, "tau": tau}
         out[name] |= loop_figures(add_counts([r["loop"] for r in mine]), spec / base)
     return out
 
 
-def merge(gens: list, block_size: int) -> Stats:
-    total = Stats(block_size=block_size)
-    for s in (g.stats for g in gens):
-        for d, a in zip(s.drafted_per_step, s.accepted_per_step):
-            total.record_step(d, a)
-        total.num_generated_tokens += s.num_generated_tokens
-        total.plain_steps += s.plain_steps
-        for name in ("prefill_s", "draft_s", "verify_s", "total_s"):
-            setattr(total, name, getattr(total, name) + getattr(s, name))
-    return total
+def pooled(gens: list, block_size: int) -> Stats:
+    return Stats.pooled([g.stats for g in gens], block_size)

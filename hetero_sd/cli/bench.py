@@ -105,7 +105,7 @@ def bar() -> Progress:
                     TimeElapsedColumn(), console=err, transient=False)
 
 
-def run(args) -> int:
+def bench_command(args) -> int:
     if args.costs:
         return run_costs(args)
     from hetero_sd.bench.runner import run_bench
@@ -234,6 +234,7 @@ def print_details(res: dict, schedules_title: str) -> None:
 def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> None:
     import os
 
+    from hetero_sd.backends.base import weights_of
     from hetero_sd.bench.floor import floor_report
     from hetero_sd.bench.peers import peer_names, run_peers
 
@@ -252,7 +253,7 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
         systems |= {r["name"]: r["tokens_per_s"] for r in res.get("peers", []) if not r["skipped"]}
         gguf = rt.info.get("gguf")
         context = max(len(rt.encode(p.text)[0]) for p in prompts) + args.max_new_tokens // 2
-        if hasattr(rt.target, "blocks") and rt.target.device == "cpu":
+        if weights_of(rt.target) is not None and rt.target.device == "cpu":
             res["floor"] = floor_report(rt.target, context, systems, os.path.getsize(gguf) if gguf else None)
 
 

@@ -201,8 +201,8 @@ def mode_summary(stats) -> str:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run
-    return run(args)
+    from .bench import bench_command
+    return bench_command(args)
 
 
 def cmd_chat(args) -> int:
@@ -257,8 +257,8 @@ def cmd_fetch(args) -> None:
 
 
 def cmd_train_draft(args) -> None:
-    from hetero_sd.train.command import run
-    run(args)
+    from hetero_sd.train.command import train_command
+    train_command(args)
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.base import DraftBackend, ModelWeights, TargetBackend, weights_of
 from hetero_sd.backends.torch_backend.cpu import capability
 
 
@@ -190,11 +190,12 @@ def add_machine(costs: Costs, target, draft) -> None:
     dtype = getattr(target, "dtype", torch.float32)
     costs.peak_gflops = peak_gflops(dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32)
     costs.bandwidth_gbs = read_bandwidth_gb_s()
-    if not hasattr(target, "blocks"):
+    target_weights, draft_weights = weights_of(target), None if draft is None else weights_of(draft)
+    if target_weights is None:
         costs.notes.append("floors need a torch target (its weight sizes); none computed")
         return
     bw, peak = costs.bandwidth_gbs * 1e9, costs.peak_gflops * 1e9
-    t_bytes, t_params, kv = model_sizes(target)
+    t_bytes, t_params, kv = model_sizes(target_weights)
 
     def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int) -> float:
         return max((weight_bytes + kv_bytes) / bw, 2 * rows * params / peak)
@@ -202,18 +203,16 @@ def add_machine(costs: Costs, target, draft) -> None:
     costs.floors_s = {"decode": floor(1, t_bytes, t_params, kv * costs.context),
                       "verify": {k: floor(k, t_bytes, t_params, kv * costs.context) for k in costs.verify_s},
                       "draft": {}}
-    if draft is not None and hasattr(draft, "blocks"):
-        d_bytes, d_params, d_kv = model_sizes(draft)
+    if draft_weights is not None:
+        d_bytes, d_params, d_kv = model_sizes(draft_weights)
         costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context) for b in costs.draft_s}
 
 
-def model_sizes(backend) -> tuple[int, int, int]:
+def model_sizes(weights: ModelWeights) -> tuple[int, int, int]:
     """(weight bytes read per forward, matmul parameters per row, KV bytes per cached position)."""
-    mats = [backend.lm_head]
-    for block in backend.blocks:
-        mats += [block.wqkv, block.wo, block.w_gate_up, block.w_down]
+    mats = [weights.lm_head]
+    for layer in weights.layers:
+        mats += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
     params = sum(m.numel() for m in mats)
     nbytes = sum(m.numel() * m.element_size() for m in mats)
-    cache = backend.cache
-    kv = 2 * cache.num_layers * cache.shape[1] * cache.shape[3] * cache.k[0].element_size()
-    return nbytes, params, kv
+    return nbytes, params, weights.kv_bytes_per_position

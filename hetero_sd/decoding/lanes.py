@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
+from hetero_sd.backends.base import DraftBackend, TargetBackend
 from hetero_sd.errors import RuntimeClosedError
+
 from .timeline import Timeline
 
 
@@ -47,23 +50,37 @@ class Lane:
 
 @dataclass
 class Lanes:
-    """The two lanes as one generation sees them: its timeline, its request number, its step."""
+    """The two lanes as one generation sees them: its timeline, its request number, its step, and its
+    backends (`bind`), whose `synchronize()` ends every job, so that a span on an asynchronous device
+    (CUDA, MPS) ends when the device has finished, not when the work was queued."""
 
     target_lane: Lane
     draft_lane: Lane
     timeline: Timeline
     request: int = 0
     step: int = 0
+    backends: dict = field(default_factory=dict)  # "target" / "draft" -> the backend whose jobs run there
 
     def __post_init__(self):
         self.timeline.devices.update(target=self.target_lane.device, draft=self.draft_lane.device)
 
+    def bind(self, target: TargetBackend | None, draft: DraftBackend | None) -> None:
+        self.backends = {"target": target, "draft": draft}
+
     def submit(self, lane: str, label: str, job: Callable) -> Future:
         which = self.target_lane if lane == "target" else self.draft_lane
-        return which.submit(job, self.timeline, label, self.request, self.step)
+        backend = self.backends.get(lane)
+        return which.submit(job if backend is None else partial(synchronized, job, backend), self.timeline, label,
+                            self.request, self.step)
 
     def target(self, label: str, job: Callable):
         return self.submit("target", label, job).result()
 
     def draft(self, label: str, job: Callable):
         return self.submit("draft", label, job).result()
+
+
+def synchronized(job: Callable, backend):
+    result = job()
+    backend.synchronize()
+    return result

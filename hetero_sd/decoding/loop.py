@@ -1,4 +1,5 @@
-"""The decoding loops, written once for every backend and schedule (reference §3).
+"""The decoding loops, written once for every backend and schedule (DFlash generation at batch 1: prefill,
+then draft a block at the anchor, verify it in one target forward, keep the accepted prefix and the bonus).
 
 Loops are generators of `Step`s so that `Runtime.generate`, `Runtime.stream` and the chat app share
 them. Every backend call goes through a device lane (lanes.py), which runs it on that device's
@@ -45,11 +46,13 @@ class Step:
 
 
 class Budget:
-    """Counts emitted tokens; ends generation at a stop token or max_new_tokens."""
+    """Counts emitted tokens; ends generation at a stop token or max_new_tokens. It keeps its own
+    counters; `Request.emit` records them in the generation's Stats."""
 
-    def __init__(self, max_new_tokens: int, stop_ids: Sequence[int], stats: Stats):
-        self.left, self.stop_ids, self.stats = max_new_tokens, set(stop_ids), stats
+    def __init__(self, max_new_tokens: int, stop_ids: Sequence[int]):
+        self.left, self.stop_ids = max_new_tokens, set(stop_ids)
         self.done = max_new_tokens <= 0
+        self.finish_reason = ""  # "stop" or "length" once done
 
     def take(self, tokens: list[int]) -> list[int]:
         kept = []
@@ -59,10 +62,9 @@ class Budget:
             kept.append(t)
             self.left -= 1
             if t in self.stop_ids:
-                self.done, self.stats.finish_reason = True, "stop"
+                self.done, self.finish_reason = True, "stop"
             elif self.left <= 0:
-                self.done, self.stats.finish_reason = True, "length"
-        self.stats.num_generated_tokens += len(kept)
+                self.done, self.finish_reason = True, "length"
         return kept
 
 
@@ -78,17 +80,19 @@ class Request:
     stats: Stats
     lanes: Lanes
     rule: str = "match"
-    policy: FixedBlock | AutoBlock | None = None  # block size per step, 1 = plain (None: the draft's own)
+    policy: FixedBlock | AutoBlock | None = None  # the size of each step (speculative loops; None without a draft)
     draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
 
     def block_size(self) -> int:
-        """The size of the next step: 1 is a plain decode step, 2.. a DFlash block of that size."""
-        size = self.policy.choose() if self.policy else self.draft.block_size
+        """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
+        block of that size (the policy's choice, recorded in the stats)."""
+        size = self.policy.choose()
         self.stats.record_choice(size)
         return size
 
     def emit(self, tokens: list[int]) -> list[int]:
         kept = self.budget.take(tokens)
+        self.stats.record_emitted(len(kept), self.budget.finish_reason)
         if self.policy:
             self.policy.emitted(kept)
         return kept
@@ -105,10 +109,10 @@ def checked(logits):
 
 
 def prefill(r: Request, features: bool):
-    def run():
+    def forward_prompt():
         r.target.crop(0)
         return r.target.forward(r.prompt_ids, last_only=True, features=features)
-    out = r.lanes.target("prefill", run)
+    out = r.lanes.target("prefill", forward_prompt)
     r.stats.num_prompt_tokens = len(r.prompt_ids)
     return r.sampler.sample(out.logits)[0], out.features
 
@@ -182,8 +186,7 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
     r.target.crop(start + keep)
     r.stats.record_step(len(drafted), verdict.accepted)
-    if r.policy:
-        r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
+    r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
     r.lanes.step += 1
     return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
@@ -243,7 +246,7 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
             jobs["began"] = time.perf_counter()
             verifying = r.lanes.submit("target", "verify", partial(r.target.forward, [anchor] + drafted))
             guesses = hypotheses(logits, drafted, max_hypotheses)  # computed while the target works
-            ahead = r.policy.peek() if r.policy else None  # the next block's size as it looks now
+            ahead = r.policy.peek()  # the next block's size as it looks now
             jobs["predraft"] = r.lanes.submit("draft", "predraft", partial(
                 predraft, r.draft, guesses, start, verifying, pace, jobs["began"], ahead))
             return verifying

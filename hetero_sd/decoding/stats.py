@@ -52,6 +52,11 @@ class Stats:
         self.accepted_per_step.append(accepted)
         self.drafted_per_step.append(drafted)
 
+    def record_emitted(self, tokens: int, finish_reason: str) -> None:
+        """Tokens the budget let through this step, and why generation ended once it has."""
+        self.num_generated_tokens += tokens
+        self.finish_reason = finish_reason or self.finish_reason
+
     def record_plain(self) -> None:
         self.plain_steps += 1
 
@@ -129,6 +134,19 @@ class Stats:
         self.prefill_s = sum(s.end - s.start for s in spans if s.name == "prefill")
         self.draft_s = sum(s.end - s.start for s in spans if s.lane == "draft")
         self.verify_s = sum(s.end - s.start for s in spans if s.lane == "target") - self.prefill_s
+
+    @classmethod
+    def pooled(cls, stats, block_size: int) -> "Stats":
+        """Several generations as one: every verify step, token and device second (bench's totals;
+        tau is then pooled over all the steps)."""
+        total = cls(block_size=block_size)
+        for s in stats:
+            for d, a in zip(s.drafted_per_step, s.accepted_per_step):
+                total.record_step(d, a)
+            for name in ("num_generated_tokens", "plain_steps", "predraft_steps", "predraft_guesses",
+                         "predraft_hits", "prefill_s", "draft_s", "verify_s", "total_s"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        return total
 
     def to_dict(self) -> dict:
         timeline, drift = self.timeline, self.drift

@@ -44,8 +44,7 @@ class Timeline:
     @property
     def overlap_fraction(self) -> float:
         """Share of the draft device's busy time hidden behind the target's (0 when run one after another)."""
-        draft = self.busy_s("draft")
-        return self.concurrent_s() / draft if draft > 0 else 0.0
+        return overlap_fraction([self])
 
     def summary(self) -> dict:
         wall = self.wall_s()
@@ -69,6 +68,12 @@ class Timeline:
 
 
 BARS = " ▁▂▃▄▅▆▇█"
+
+
+def overlap_fraction(timelines) -> float:
+    """Share of the draft lanes' busy time hidden behind the target's, pooled over timelines."""
+    draft = sum(t.busy_s("draft") for t in timelines)
+    return sum(t.concurrent_s() for t in timelines) / draft if draft > 0 else 0.0
 
 
 def bars(values: list[float], top: float | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Checks that a draft was made for the target it is paired with (reference §1)."""
+"""Checks that a draft was made for the target it is paired with: its hidden size, vocabulary, mask token
+and the target layers its features come from (a published DFlash checkpoint names them in config.json)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Training DFlash drafts by self-distillation (reference §5): `hetero-sd train-draft`."""
+"""Training DFlash drafts by self-distillation (the target answers, the draft learns its blocks):
+`hetero-sd train-draft`."""

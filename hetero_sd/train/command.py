@@ -64,7 +64,7 @@ def bar(label: str) -> Progress:
                     TimeElapsedColumn(), TimeRemainingColumn(), console=err)
 
 
-def run(args: argparse.Namespace) -> None:
+def train_command(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.generate_only and not args.distill:

@@ -1,4 +1,4 @@
-"""The training loop for `hetero-sd train-draft` (reference §5).
+"""The training loop for `hetero-sd train-draft`.
 
 Data: prompts answered by the target itself (train/data.py). Features: the target's hidden states at the
 draft's layers, computed once per sequence with our torch target and kept in memory (bf16). Each step
@@ -23,7 +23,7 @@ from hetero_sd.backends.torch_backend import load_target
 from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, write_draft
 
-from .model import TrainableDraft, TrainingVocab
+from .model import TrainingDraft, TrainingVocab
 
 
 @dataclass
@@ -35,7 +35,7 @@ class TrainConfig:
     warmup: int = 50
     accumulate: int = 4  # sequences per optimizer step
     anchors: int = 24  # blocks per sequence per step (fewer if the response is short)
-    gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (reference §5)
+    gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
     held_out: int = 24
     eval_every: int = 100
     seed: int = 0
@@ -111,20 +111,21 @@ def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
     return sorted(set([i for i in ids[:-1] if i < last] + [last]))
 
 
-def init_from_target(model: TrainableDraft, target_tensors: dict, num_target_layers: int) -> None:
+def init_from_target(model: TrainingDraft, target_tensors: dict, num_target_layers: int) -> None:
     """Draft layer i <- target layer N-L+i; fc picks the feature of the layer feeding them."""
-    h = model.cfg["hidden_size"]
-    first = num_target_layers - len(model.layers)
+    h, w = model.cfg.arch.hidden_size, model.tensors
+    first = num_target_layers - model.cfg.arch.num_hidden_layers
     with torch.no_grad():
-        model.fc.weight.zero_()
-        model.fc.weight[:, -h:] = torch.eye(h)
-        model.hidden_norm.weight.copy_(target_tensors[f"model.layers.{first}.input_layernorm.weight"])
-        model.norm.weight.copy_(target_tensors["model.norm.weight"])
-        for name, p in model.layers.named_parameters():
-            i, rest = name.split(".", 1)
-            src = f"model.layers.{first + int(i)}.{rest}"
-            if src in target_tensors:
-                p.copy_(target_tensors[src])
+        w["fc.weight"].zero_()
+        w["fc.weight"][:, -h:] = torch.eye(h)
+        w["hidden_norm.weight"].copy_(target_tensors[f"model.layers.{first}.input_layernorm.weight"])
+        w["norm.weight"].copy_(target_tensors["model.norm.weight"])
+        for name, p in w.items():
+            if name.startswith("layers."):
+                i, rest = name.removeprefix("layers.").split(".", 1)
+                src = f"model.layers.{first + int(i)}.{rest}"
+                if src in target_tensors:
+                    p.copy_(target_tensors[src])
 
 
 def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int) -> torch.Tensor:
@@ -138,11 +139,11 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int) -> tor
     return torch.where(pos < tokens.shape[0], tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
 
 
-def loss_fn(model: TrainableDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None,
+def loss_fn(model: TrainingDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None,
             teacher: tuple[torch.Tensor, torch.Tensor] | None = None, soft: float = 0.0):
     """Cross-entropy at each block position, weighted by position; with `teacher` (the target's top-k
     log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's own
-    distribution there, renormalised over its top k (reference §5: soft labels)."""
+    distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows)."""
     labels = block_labels(tokens, anchors, model.block_size)
     head = None if vocab is None else vocab.head
     logits = model.logits(model(features, tokens, anchors), head)
@@ -169,7 +170,7 @@ def soft_ce(logq, teacher, anchors, block: int, vocab: TrainingVocab | None) -> 
 
 
 @torch.no_grad()
-def held_out_tau(model: TrainableDraft, rows, features) -> float:
+def held_out_tau(model: TrainingDraft, rows, features) -> float:
     """Greedy acceptance on held-out sequences: anchors every B tokens, leading correct drafts + bonus."""
     lengths = []
     for row in rows:
@@ -196,10 +197,10 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0)
-    model = TrainableDraft(raw, features.target.embed, features.target.lm_head.t())
+    model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
     train_rows = [r for r in rest if len(r["response_ids"]) > 1]
-    vocab = TrainingVocab(train_rows, model.frozen["lm_head"]) if cfg.vocab == "data" else None
+    vocab = TrainingVocab(train_rows, model.lm_head) if cfg.vocab == "data" else None
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     out.mkdir(parents=True, exist_ok=True)
     start, checkpoint = 0, out / "checkpoint.pt"
@@ -246,7 +247,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     return {"draft": str(out), "history": cfg.history}
 
 
-def save(out: Path, model: TrainableDraft, optim, step: int, rng: random.Random, cfg: TrainConfig,
+def save(out: Path, model: TrainingDraft, optim, step: int, rng: random.Random, cfg: TrainConfig,
          raw: dict) -> None:
     """A loadable z-lab folder at every evaluation, plus a resumable checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
