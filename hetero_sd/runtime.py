@@ -154,10 +154,10 @@ class Runtime:
         return self.decode(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def decode(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
-            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-            speculative: bool = True, rule: str = "match", schedule: str | None = None,
-            timeline: Timeline | None = None, request: int = 0, draft=None,
-            block: str | int | None = None) -> Iterator[StreamEvent]:
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               speculative: bool = True, rule: str = "match", schedule: str | None = None,
+               timeline: Timeline | None = None, request: int = 0, draft=None,
+               block: str | int | None = None) -> Iterator[StreamEvent]:
         """Everything is checked here, before any model work; the returned iterator takes its own
         caches (a slot) when first advanced and gives them back when it ends or is closed.
         draft: another draft over the same target (bench's float32 reference); forked per generation."""

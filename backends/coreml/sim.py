@@ -15,7 +15,6 @@ from .host import WINDOW, WindowedDraft
 
 class AneSimDraft(WindowedDraft):
     device = "ane-sim"
-    emulated = True
 
     def __init__(self, reference, window: int = WINDOW):
         super().__init__(reference, window)

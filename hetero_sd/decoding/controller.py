@@ -28,8 +28,6 @@ PLAIN = 1  # the block size that stands for plain decoding in choices and histog
 class FixedBlock:
     """Always the same block size (the draft's own, or one the user forced)."""
 
-    auto = False
-
     def __init__(self, size: int):
         self.size = size
 
@@ -172,7 +170,6 @@ class Repeats:
 class AutoBlock:
     """The controller for one generation (see the module docstring)."""
 
-    auto = True
     DECAY = 0.98  # per emitted token: evidence halves every ~34 tokens of text
     PRIOR_WEIGHT = 1.0
     GAP = 4  # plain steps before the first re-probe
