@@ -119,7 +119,7 @@ class DraftBackend(ABC):
     @abstractmethod
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
         """Fill [anchor, mask * (B-1)] in one pass: float32 logits [B-1, vocab] for block positions 1...
-        (a DFlash2 draft returns a hetero_sd.selection.SelectorBlock: those logits and its selector's walk.)
+        (a DFlash2 draft returns a selection.SelectorBlock: those logits and its selector's walk.)
         The anchor sits at `position` (default: right after the context). A later position drafts on a
         lagged context, for pre-drafting while the positions in between are still being verified.
         `size` (default block_size) may be smaller: fewer mask positions, for the block-size controller."""

@@ -1,5 +1,5 @@
 """A draft on a reduced-precision device with the float32 reference drafting alongside it, so that
-the runtime can report the device's precision drift (hetero_sd.drift). Decoding uses only the
+the runtime can report the device's precision drift (drift.py). Decoding uses only the
 device's proposals."""
 
 from __future__ import annotations

@@ -159,3 +159,15 @@ def test_auto_at_temperature_one_keeps_running_and_samples_target_tokens(tiny_ll
     rt = hetero_sd.load(str(tiny_llama), "random:1")
     out = rt.generate([5, 9, 12], max_new_tokens=60, temperature=1.0, seed=3)
     assert len(out.token_ids) == 60 or out.stats.finish_reason == "stop"
+
+
+def test_a_stall_does_not_keep_the_controller_from_a_mode_for_good():
+    """One plain step that took 1000x its cost (another process, a page fault) moves the plain factor at
+    most by the clip; and while only speculative steps are observed, the plain factor is pulled back."""
+    from hetero_sd.decoding.controller import CostModel
+    model = CostModel(cpu_like_costs())
+    model.observe(PLAIN, 1000 * DECODE)
+    assert model.plain_factor <= 1 + CostModel.ALPHA * (CostModel.CLIP[1] - 1) + 1e-9
+    for _ in range(100):
+        model.observe(4, model.model(4))
+    assert model.plain_factor == pytest.approx(1.0, abs=0.01)

@@ -154,3 +154,37 @@ def measured_costs(rt):
     from hetero_sd.decoding.costs import measure_costs
 
     return measure_costs(rt.target, rt.draft, context=128, ks=(2, 4, 8, 16), blocks=(2, 4, 8, 16), repeats=1)
+
+def test_cpu_lanes_run_waited_jobs_in_the_calling_thread(tiny_llama, tiny_draft):
+    """The sequential schedule on CPU lanes keeps torch in the caller's thread (one OpenMP team: a team per
+    lane thread throttles libgomp's spin-waits); overlap still uses the lane threads; the outputs agree."""
+    import threading
+
+    import hetero_sd
+    from hetero_sd.decoding.lanes import Lane
+
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft))
+    lanes = (rt.target_lane, rt.draft_lane)
+    before = [dict(lane.ran) for lane in lanes]
+    seq = rt.generate([5, 6, 7, 8], max_new_tokens=24, schedule="sequential", block="fixed")
+    assert all(lane.ran["thread"] == b["thread"] for lane, b in zip(lanes, before))
+    assert all(lane.ran["inline"] > b["inline"] for lane, b in zip(lanes, before))
+    ovl = rt.generate([5, 6, 7, 8], max_new_tokens=24, schedule="overlap", block="fixed")
+    assert sum(lane.ran["thread"] - b["thread"] for lane, b in zip(lanes, before)) > 0
+    assert ovl.token_ids == seq.token_ids
+
+    lane, seen = Lane("x", "cpu"), []
+    from hetero_sd.decoding.timeline import Timeline
+    gate = threading.Event()
+    first = lane.submit(lambda: (gate.wait(5), seen.append("first")), Timeline(), "a", 0, 0)
+    second = lane.submit(lambda: seen.append("second"), Timeline(), "b", 0, 0)
+    caller = threading.Thread(target=lambda: lane.submit(lambda: seen.append(threading.current_thread().name),
+                                                         Timeline(), "c", 0, 0, wait=True).result())
+    caller.start()
+    gate.set()
+    caller.join(), first.result(), second.result()
+    # with jobs queued on the lane's thread, a waited job joins that queue: it cannot overtake them
+    assert seen[:2] == ["first", "second"] and seen[2].startswith("hetero-sd-x"), seen
+    lane.close()
+    with pytest.raises(hetero_sd.errors.RuntimeClosedError):
+        lane.submit(lambda: None, Timeline(), "d", 0, 0, wait=True)

@@ -180,3 +180,18 @@ def test_held_out_rows_of_growing_shards_were_never_trained_on():
     random.Random(3).shuffle(order)
     held, rest = split_held_out(plain, 5, 3)
     assert [r["index"] for r in held + rest] == order
+
+
+def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_distilled):
+    """--init-from: step 0 of the warm start holds the earlier draft's weights (bf16 as saved), and a
+    draft of another shape is refused by name."""
+    train(tiny_llama, self_distilled, tmp_path / "first", small_config(steps=6, eval_every=6))
+    warm = train(tiny_llama, self_distilled, tmp_path / "warm", small_config(steps=1, eval_every=1, lr=0.0,
+                                                                            init=str(tmp_path / "first")))
+    cold = train(tiny_llama, self_distilled, tmp_path / "cold", small_config(steps=1, eval_every=1, lr=0.0))
+    a, b = load_weights(tmp_path / "first"), load_weights(tmp_path / "warm")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
+    with pytest.raises(hetero_sd.errors.ConfigError, match="block_size"):
+        train(tiny_llama, self_distilled, tmp_path / "x", small_config(steps=1, block_size=8,
+                                                                     init=str(tmp_path / "first")))

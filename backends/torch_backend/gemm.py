@@ -178,10 +178,20 @@ def extension():
     ninja_on_path()
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline("hetero_sd_gemm", cpp_sources=SOURCE, extra_cflags=["-O3", "-fopenmp"],
+        return load_inline(extension_name(), cpp_sources=SOURCE, extra_cflags=["-O3", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a compiler or header problem: the caller announces it
         raise KernelUnavailable(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
+
+
+def extension_name() -> str:
+    """One build folder per Python environment and torch: two venvs sharing ~/.cache/torch_extensions
+    under one name rebuild it for each other (their include paths differ) and wait on each other's build
+    lock, which stalled a generation for minutes when another checkout's tests ran."""
+    import hashlib
+    import sys
+    key = f"{sys.prefix}|{torch.__version__}|{SOURCE}".encode()
+    return f"hetero_sd_gemm_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
 def ninja_on_path() -> None:

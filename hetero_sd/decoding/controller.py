@@ -67,6 +67,9 @@ class CostModel:
     plain_factor: float = 1.0  # observed / modelled, plain steps
     learn: bool = True  # False: the measured costs as they are (tests and replays)
     ALPHA = 0.2
+    CLIP = (0.5, 2.0)  # one observation moves a factor at most this far: a page fault or a stall elsewhere
+    #                    on the machine is not the step's cost
+    SHARED = 0.05  # what moves one kind's factor pulls the other's along (a busier machine slows both)
 
     def step(self, size: int) -> float:
         if size == PLAIN:
@@ -79,10 +82,17 @@ class CostModel:
     def observe(self, size: int, seconds: float) -> None:
         if not self.learn:
             return
+        low, high = self.CLIP
         if size == PLAIN:
-            self.plain_factor += self.ALPHA * (seconds / self.costs.decode_s - self.plain_factor)
+            ratio = min(max(seconds / self.costs.decode_s, low), high)
+            self.plain_factor += self.ALPHA * (ratio - self.plain_factor)
+            # a kind not chosen any more is never observed again: without this pull a stale, high
+            # estimate (a stall while it ran) would keep the controller away from it for good
+            self.spec_factor += self.SHARED * (self.plain_factor - self.spec_factor)
         else:
-            self.spec_factor += self.ALPHA * (seconds / self.model(size) - self.spec_factor)
+            ratio = min(max(seconds / self.model(size), low), high)
+            self.spec_factor += self.ALPHA * (ratio - self.spec_factor)
+            self.plain_factor += self.SHARED * (self.spec_factor - self.plain_factor)
 
     def to_dict(self) -> dict:
         return {**self.costs.to_json(), "spec_factor": round(self.spec_factor, 3),

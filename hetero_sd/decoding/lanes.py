@@ -4,10 +4,21 @@ Every backend call goes through its lane, which runs it on the lane's own thread
 in the generation's timeline. A lane runs one job at a time, so a backend is never entered by two
 threads at once; two lanes run concurrently (torch and MLX release the GIL inside their kernels).
 The thread is also what device-affine runtimes (CUDA streams, MLX, Core ML) like: a device's work
-always comes from the same thread."""
+always comes from the same thread.
+
+Torch CPU lanes ("cpu", "ane-sim") run the jobs a caller waits for in the caller's own thread instead.
+Each thread that runs torch CPU work owns an OpenMP team; with the caller's team and a team per lane,
+libgomp sees more threads than cores and throttles its spin-waits, and every parallel region then pays
+futex wake-ups: a decode step of the default target took 47 ms on a lane thread against 26 ms in the
+calling thread (2-core Xeon, benchmarks/README.md). Jobs that must overlap (the `overlap` and `pipeline`
+schedules) still go to the lane's thread; a lock keeps one job at a time per lane either way, and a
+waited-for job goes through the thread while earlier overlapped jobs are still queued there, so jobs keep
+their order."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,31 +31,79 @@ from hetero_sd.errors import RuntimeClosedError
 from .timeline import Timeline
 
 
-class Lane:
-    def __init__(self, name: str, device: str):
-        self.name, self.device = name, device
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
+INLINE_DEVICES = ("cpu", "ane-sim")  # torch on this process's CPU: no device affinity to keep
 
-    def submit(self, job: Callable, timeline: Timeline, label: str, request: int, step: int) -> Future:
+
+class Lane:
+    def __init__(self, name: str, device: str, inline: bool | None = None):
+        self.name, self.device = name, device
+        if inline is None:  # HETERO_SD_LANE_THREADS=1: every job on the lane threads (to measure the rule)
+            inline = device in INLINE_DEVICES and os.environ.get("HETERO_SD_LANE_THREADS") != "1"
+        self.inline = inline
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
+        self.busy = threading.Lock()  # one job at a time, in the lane's thread or a caller's
+        self.queued = 0  # jobs handed to the thread and not finished
+        self.count_lock = threading.Lock()
+        self.closed = False
+        self.ran = {"inline": 0, "thread": 0}  # where jobs ran (a test checks the rule above holds)
+
+    def submit(self, job: Callable, timeline: Timeline, label: str, request: int, step: int,
+               wait: bool = False) -> Future:
+        """Run `job` on this lane and record its span. wait=True: the caller blocks on it at once, so
+        an inline lane may run it in the calling thread (the future comes back done)."""
         def timed():
             began = time.perf_counter()
             try:
                 return job()
             finally:
                 timeline.record(self.name, label, began, time.perf_counter(), request, step)
-        return self.start(timed)
+        return self.run_here(timed) if wait and self.here() else self.start(timed)
 
     def call(self, job: Callable):
-        """Run a job on the lane's thread, unrecorded (set-up work such as allocating a request's caches)."""
-        return self.start(job).result()
+        """Run a job on the lane, unrecorded (set-up work such as allocating a request's caches)."""
+        return (self.run_here(job) if self.here() else self.start(job)).result()
+
+    def here(self) -> bool:
+        with self.count_lock:
+            return self.inline and not self.queued
+
+    def run_here(self, job: Callable) -> Future:
+        self.check_open()
+        done: Future = Future()
+        with self.busy:
+            self.ran["inline"] += 1
+            try:
+                done.set_result(job())
+            except BaseException as e:  # the caller's .result() re-raises it, as from the thread
+                done.set_exception(e)
+        return done
 
     def start(self, job: Callable) -> Future:
+        def queued_job():
+            try:
+                with self.busy:
+                    self.ran["thread"] += 1
+                    return job()
+            finally:
+                with self.count_lock:
+                    self.queued -= 1
+
+        self.check_open()
+        with self.count_lock:
+            self.queued += 1
         try:
-            return self.pool.submit(job)
+            return self.pool.submit(queued_job)
         except RuntimeError:  # the executor was shut down: Runtime.close()
-            raise RuntimeClosedError("this Runtime was closed", "load a new one (hetero_sd.load) to generate again") from None
+            with self.count_lock:
+                self.queued -= 1
+            self.check_open(closed=True)
+
+    def check_open(self, closed: bool = False) -> None:
+        if closed or self.closed:
+            raise RuntimeClosedError("this Runtime was closed", "load a new one (hetero_sd.load) to generate again")
 
     def close(self) -> None:
+        self.closed = True
         self.pool.shutdown(wait=True)
 
 
@@ -67,17 +126,17 @@ class Lanes:
     def bind(self, target: TargetBackend | None, draft: DraftBackend | None) -> None:
         self.backends = {"target": target, "draft": draft}
 
-    def submit(self, lane: str, label: str, job: Callable) -> Future:
+    def submit(self, lane: str, label: str, job: Callable, wait: bool = False) -> Future:
         which = self.target_lane if lane == "target" else self.draft_lane
         backend = self.backends.get(lane)
         return which.submit(job if backend is None else partial(synchronized, job, backend), self.timeline, label,
-                            self.request, self.step)
+                            self.request, self.step, wait)
 
     def target(self, label: str, job: Callable):
-        return self.submit("target", label, job).result()
+        return self.submit("target", label, job, wait=True).result()
 
     def draft(self, label: str, job: Callable):
-        return self.submit("draft", label, job).result()
+        return self.submit("draft", label, job, wait=True).result()
 
 
 def synchronized(job: Callable, backend):

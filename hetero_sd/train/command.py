@@ -57,6 +57,11 @@ def add_parser(sub) -> None:
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--snapshots", action="store_true",
+                   help="keep the draft of every evaluation under OUT/snapshots/step-N (for a learning curve)")
+    t.add_argument("--init-from", metavar="DRAFT",
+                   help="start from this draft's weights (a folder, or a shipped name such as cpu-trained) "
+                        "instead of copies of the target's last layers")
 
 
 def bar(label: str) -> Progress:
@@ -110,10 +115,20 @@ def jsonl_rows(target: Path, out: Path, args: argparse.Namespace) -> list[dict]:
     return load_rows(data)
 
 
+def init_folder(name: str) -> str:
+    from ..loading.loader import SHIPPED_DRAFTS, shipped
+    folder = (shipped(name) if name in SHIPPED_DRAFTS else None) or Path(name)
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"--init-from {name}: no draft folder (config.json) there",
+                          "give a draft folder or a shipped draft name such as cpu-trained")
+    return str(folder)
+
+
 def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace) -> None:
     cfg = TrainConfig(block_size=args.block_size, layers=args.layers, steps=args.steps, lr=args.lr,
                       accumulate=args.accumulate, anchors=args.anchors, eval_every=args.eval_every, seed=args.seed,
-                      vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k)
+                      vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
+                      snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target")
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero_sd.backends.torch_backend import load_target
+from hetero_sd.errors import ConfigError
 from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, write_draft
 
@@ -39,10 +40,11 @@ class TrainConfig:
     held_out: int = 24
     eval_every: int = 100
     seed: int = 0
-    init: str = "target"  # "target": draft layers start as copies of the target's last layers
+    init: str = "target"  # "target": draft layers start as copies of the target's last layers; else a draft folder
     vocab: str = "data"  # "data": the loss's softmax runs over the tokens of the answers (TrainingVocab)
     soft: float = 0.0  # weight of distillation from the target's distribution (0: hard labels only)
     soft_top_k: int = 32  # the target's distribution kept per position: its k most likely tokens
+    snapshots: bool = False  # keep the draft of every evaluation (OUT/snapshots/step-N): a learning curve
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -126,6 +128,24 @@ def init_from_target(model: TrainingDraft, target_tensors: dict, num_target_laye
                 src = f"model.layers.{first + int(i)}.{rest}"
                 if src in target_tensors:
                     p.copy_(target_tensors[src])
+
+
+def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
+    """Warm start from an earlier draft of the same shape (e.g. continue `cpu-trained` on new data): its
+    config must agree on everything that shapes the weights or the features they read."""
+    from safetensors.torch import load_file
+    old = read_json(folder / "config.json")
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "dflash_config")
+    differ = [k for k in keys if old.get(k) != raw.get(k)]
+    if differ:
+        raise ConfigError(f"--init-from {folder}: its config differs in {', '.join(differ)}",
+                          "train with the same --layers/--block-size, or start from the target")
+    tensors = load_file(str(folder / "model.safetensors"))
+    missing = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False).missing_keys
+    if missing:
+        raise ConfigError(f"--init-from {folder}: tensors missing: {', '.join(missing[:4])}",
+                          "give a DFlash draft folder written by train-draft")
 
 
 def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int) -> torch.Tensor:
@@ -213,8 +233,10 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     elif cfg.init == "target":
         from hetero_sd.models.weights import load_weights
         init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
+    else:
+        init_from_draft(model, Path(cfg.init), raw)
     weights = torch.exp(-torch.arange(cfg.block_size - 1) / cfg.decay())
-    began = time.perf_counter()
+    began, cpu0 = time.perf_counter(), time.process_time() - (cfg.history[-1].get("cpu_s", 0) if cfg.history else 0)
     for step in range(start, cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for group in optim.param_groups:
@@ -235,7 +257,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        record = {"step": step + 1, "loss": total, "lr": lr, "elapsed_s": time.perf_counter() - began}
+        record = {"step": step + 1, "loss": total, "lr": lr, "elapsed_s": time.perf_counter() - began,
+                  "cpu_s": time.process_time() - cpu0}  # CPU seconds: the compute, whatever else ran
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["held_out_tau"] = held_out_tau(model, held, features)
             cfg.history.append(record)
@@ -252,6 +275,8 @@ def save(out: Path, model: TrainingDraft, optim, step: int, rng: random.Random, 
     """A loadable z-lab folder at every evaluation, plus a resumable checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     write_draft(out, raw, {k: v.detach() for k, v in model.state_dict().items()})
+    if cfg.snapshots:
+        write_draft(out / "snapshots" / f"step-{step}", raw, {k: v.detach() for k, v in model.state_dict().items()})
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "rng": rng.getstate(),
                 "history": cfg.history}, out / "checkpoint.pt")
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "step": step}, indent=2))
