@@ -171,3 +171,31 @@ def test_a_stall_does_not_keep_the_controller_from_a_mode_for_good():
     for _ in range(100):
         model.observe(4, model.model(4))
     assert model.plain_factor == pytest.approx(1.0, abs=0.01)
+
+
+def test_stretches_of_acceptance_give_long_blocks_after_a_full_accept_and_plain_after_a_miss():
+    """A draft right for 40 tokens, then wrong for 40: once the controller has seen a stretch of each, a
+    fully accepted block leads to a long block, and a missed one to plain decoding."""
+    policy, position = AutoBlock(16, Memory(cpu_like_costs(0.01), 16)), [0]
+
+    def accepts(size):
+        right = (position[0] // 40) % 2 == 1
+        return size - 1 if right else 0
+
+    chosen = []
+    for _ in range(400):
+        size = policy.choose()
+        hot = policy.hot
+        if size == PLAIN:
+            policy.observe_plain(DECODE)
+            policy.emitted([position[0]])
+            position[0] += 1
+        else:
+            a = accepts(size)
+            policy.observe(size, size - 1, a, policy.memory.cost.model(size))
+            policy.emitted(list(range(position[0], position[0] + a + 1)))
+            position[0] += a + 1
+        chosen.append((hot, size))
+    late = chosen[len(chosen) // 2:]
+    assert max(s for hot, s in late if hot) == 16
+    assert sum(s == PLAIN for hot, s in late if not hot) > 0.5 * sum(1 for hot, _ in late if not hot)
