@@ -51,7 +51,8 @@ def test_choice_follows_acceptance_given_costs():
     memory = Memory(cpu_like_costs(), 16)
     assert settle(AutoBlock(16, memory), lambda s: 0)[-1] == PLAIN  # nothing accepted: plain decoding
     assert settle(AutoBlock(16, Memory(cpu_like_costs(), 16)), lambda s: s - 1)[-1] == 16
-    assert settle(AutoBlock(16, Memory(cpu_like_costs(), 16)), lambda s: min(s - 1, 3))[-1] == 4
+    late = settle(AutoBlock(16, Memory(cpu_like_costs(), 16)), lambda s: min(s - 1, 3))[-40:]
+    assert max(set(late), key=late.count) == 4 and late.count(4) > 0.75 * len(late)  # 5 now and then: a look
 
 
 def test_expensive_steps_make_plain_decoding_win_even_for_a_fair_draft():
