@@ -12,5 +12,6 @@ for DATASET in chat humaneval; do
   hetero-sd bench --draft cpu-trained --dataset "$DATASET" --limit "$LIMIT" --max-new-tokens "$MAX_NEW" \
     --blocks 16,8,4,auto --json "$OUT/controller_cputrained_${DATASET}.json"
 done
-python benchmarks/controller_oracle.py --limit "$LIMIT" --max-new-tokens 160 --stretch 40 \
+python benchmarks/controller_oracle.py --dataset humaneval --limit "$LIMIT" --max-new-tokens 192 --stretch 32 \
   --json "$OUT/controller_oracle.json"
+python benchmarks/controller_sim.py --costs "$OUT/controller_oracle.json" --json "$OUT/controller_sim.json"

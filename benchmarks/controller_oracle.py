@@ -58,10 +58,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--stretch", type=int, default=48)
+    ap.add_argument("--dataset", default="chat", help="prompt set (humaneval: answers long enough for stretches)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "controller_oracle.json"))
     args = ap.parse_args()
     rt = hetero_sd.load("default", "random")  # the draft's shape for the cost model; replaced by the oracle
-    prompts = [p.text for p in load_prompts(None, "chat", args.limit)]
+    prompts = [p.text for p in load_prompts(None, args.dataset, args.limit)]
     rt.generate("Say hello.", max_new_tokens=8, speculative=False)  # warm-up
     rows = []
     for n, prompt in enumerate(prompts):

@@ -186,10 +186,16 @@ class AutoBlock:
     MAX_GAP = 64
     PROBE_BUDGET = 0.02  # failed probes may cost this share of the plain steps' time, at most
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
+    STATE_WEIGHT = 1.0  # steps' worth of the generation's overall rates behind each state's own rates
 
     def __init__(self, max_size: int, memory: Memory, prompt_ids: list[int] = (), allow_plain: bool = True):
         self.max_size, self.memory, self.allow_plain = max_size, memory, allow_plain
         self.acceptance = Acceptance(max_size)
+        # Acceptance comes in stretches (code, lists, quoted text: the draft is right for a while, then
+        # not), so the rates are also kept apart by the outcome of the last block: "hot" when it accepted
+        # every drafted token. After a full accept the long blocks pay; after a miss, plain decoding may.
+        self.by_state = {True: Acceptance(max_size), False: Acceptance(max_size)}
+        self.hot = False
         self.prior = memory.prior()
         self.repeats = Repeats(list(prompt_ids))
         self.plain_run, self.gap, self.repeat_gap = 0, self.GAP, self.REPEAT_GAP
@@ -198,7 +204,8 @@ class AutoBlock:
 
     # --- the choice -------------------------------------------------------------------------------
     def rates(self) -> list[float]:
-        return self.acceptance.rates(self.max_size - 1, self.prior, self.PRIOR_WEIGHT)
+        overall = self.acceptance.rates(self.max_size - 1, self.prior, self.PRIOR_WEIGHT)
+        return self.by_state[self.hot].rates(self.max_size - 1, overall, self.STATE_WEIGHT)
 
     def speeds(self) -> dict[int, float]:
         """Expected tokens per second of every choice: plain (size 1) and each block size."""
@@ -231,9 +238,11 @@ class AutoBlock:
             self.plain_run = 0
             return best
         if self.probe_due():
+            # the smallest block: it asks only whether position 1 is right again, which is what
+            # turns the state hot, at the least cost, so probes can come twice as often for the budget
             self.probing, self.plain_run = True, 0
             self.probes += 1
-            return self.best_block()
+            return min(2, self.max_size)
         self.plain_run += 1
         return PLAIN
 
@@ -245,10 +254,13 @@ class AutoBlock:
     # --- what happened ----------------------------------------------------------------------------
     def emitted(self, tokens: list[int]) -> None:
         self.repeats.add(tokens)
-        self.acceptance.decay(self.DECAY ** len(tokens))
+        for acceptance in (self.acceptance, *self.by_state.values()):
+            acceptance.decay(self.DECAY ** len(tokens))
 
     def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
         self.acceptance.add(drafted, accepted)
+        self.by_state[self.hot].add(drafted, accepted)
+        self.hot = accepted >= drafted
         with self.memory.lock:
             self.memory.cost.observe(size, seconds)
         if self.probing:
