@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetero_sd.controller import PLAIN, AutoBlock, Memory  # noqa: E402
-from hetero_sd.costs import Costs  # noqa: E402
+from hetero_sd.decoding.controller import PLAIN, AutoBlock, Memory  # noqa: E402
+from hetero_sd.decoding.costs import Costs  # noqa: E402
 
 
 def simulate(costs: Costs, right, total: int = 3000, fixed: int | None = None, states: bool = True) -> float:

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hetero_sd  # noqa: E402
-from hetero_sd.bench import machine  # noqa: E402
+from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.prompts import load_prompts  # noqa: E402
-from hetero_sd.sources import resolve_target  # noqa: E402
+from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.train.distill import load_distilled  # noqa: E402
 from hetero_sd.train.trainer import split_held_out  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Overlap vs sequential, and how the gain scales with the draft's cost.
 
-Runs hetero_sd.experiments.placement_sweep on the default target with untrained drafts of 1, 2, 4 and 8
+Runs hetero_sd.bench.experiments.placement_sweep on the default target with untrained drafts of 1, 2, 4 and 8
 layers (deeper = costlier draft; acceptance is ~0 for all, which is the worst case for `overlap` and
 irrelevant to `pipeline`), target and draft on the CPU with one torch thread each, schedules
 sequential / overlap / pipeline on the same prompts in one process. Optionally add trained drafts.
