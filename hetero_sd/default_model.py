@@ -35,6 +35,15 @@ def default_target_folder() -> Path:
     return ensure_converted(embedded_gguf(), home() / "models" / DEFAULT_TARGET)
 
 
+def converted_from(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from (its completion marker names it), if still there."""
+    try:
+        gguf = Path((Path(folder) / _DONE).read_text().strip())
+    except OSError:
+        return None
+    return gguf if gguf.suffix == ".gguf" and gguf.is_file() else None
+
+
 def gguf_folder(gguf: Path) -> Path:
     """Converted copy of any GGUF file, keyed by its path, size and mtime."""
     st = gguf.stat()

@@ -18,6 +18,7 @@ from hetero_sd.weights import take
 from ..base import DraftBackend
 from .dflash2 import Selector, conv_layer, layer_convs
 from .gemm import Packed
+from .quant import Quantized
 from .layers import Block, CacheOwner, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
@@ -126,7 +127,10 @@ def block_masks(attention, start: int, position: int, size: int, device) -> list
 
 
 def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
-    """The target's packed lm_head when the draft multiplies the very same tensor (no second 113 MB copy)."""
+    """The target's packed lm_head when the draft multiplies the very same tensor (no second 113 MB copy).
+    A target head kept as GGUF blocks (quant.Quantized) shares its float32 packing."""
+    if isinstance(target_mm, Quantized):
+        target_mm = target_mm.fallback
     if isinstance(target_mm, Packed) and target_mm.source == Packed.identity(lm_head):
         return target_mm
     return multiplier(lm_head, notes)
