@@ -411,6 +411,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if draft is None:
         t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
         info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+        info["target_weights"] = getattr(t, "weights", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
         return Runtime(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
@@ -424,6 +425,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         dcfg.block_size = int(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
     info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+    info["target_weights"] = getattr(t, "weights", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
                       tensors, info["notes"])
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
@@ -433,7 +435,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     set_cpu_threads(cpu_threads, schedule, target_device, draft_device, info["notes"])
     info["block"] = block
     info["cost_key"] = cost_key(source_id(folder, target), source_id(dfolder, draft), target_device, draft_device,
-                                f"{info['target_dtype']}/{info['draft_dtype']}", d.block_size, code_id(t, d))
+                                f"{info['target_weights']}/{info['draft_dtype']}", d.block_size, code_id(t, d))
     rt = Runtime(t, d, tokenizer, stop_ids(tcfg, tokenizer, folder), info, schedule, block)
     if block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

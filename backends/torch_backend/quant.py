@@ -337,7 +337,7 @@ class Quantized:
 
 # ---- the target's weights from its GGUF ----
 
-WEIGHTS = "Q4_1/Q8_0 (from the GGUF)"  # how stats and bench name the quantized target's weights
+WEIGHTS = "Q4_1/Q8_0 blocks from the GGUF"  # how stats and bench name the quantized target's weights
 NOTE = "target weights"
 LAYER_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -464,7 +464,7 @@ def attach(target, gguf) -> str | None:
         setattr(owner, attr, q)
     kinds = "/".join(sorted({q.kind for _, _, q in made}))
     total = sum(w.numel() for *_, w in plan)
-    weights = f"{kinds} (from the GGUF)"
+    weights = f"{kinds} blocks from the GGUF"
     target.notes.append(
         f"{NOTE}: {weights}: decode and verify steps (1-{MAX_ROWS} rows) multiply {len(made)} of the target's "
         f"matrices by their GGUF blocks ({sum(q.nbytes for _, _, q in made) / 1e6:.0f} MB instead of "

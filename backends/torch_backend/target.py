@@ -36,6 +36,7 @@ class TorchTarget(CacheOwner, TargetBackend):
                        for i in range(cfg.num_hidden_layers)]
         # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
         self.weights = attach_quantized(self, converted_from(where)) or dtype_name(dtype)
+        self.mode = self.weights  # named in the cost probe (costs.backend_dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
 
