@@ -128,9 +128,10 @@ def block_masks(attention, start: int, position: int, size: int, device) -> list
 
 def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
     """The target's packed lm_head when the draft multiplies the very same tensor (no second 113 MB copy).
-    A target head kept as GGUF blocks (quant.Quantized) shares its float32 packing."""
-    if isinstance(target_mm, Quantized):
-        target_mm = target_mm.fallback
-    if isinstance(target_mm, Packed) and target_mm.source == Packed.identity(lm_head):
+    A target head kept as GGUF blocks (quant.Quantized) serves a float32 draft too: bitwise the same
+    weights, and its Q8_0 kernel multiplies 16 rows ~2x faster than the packed float32 head (one core of
+    the Sapphire Rapids Xeon: 7.7 vs 15.8 ms). A bf16 draft keeps its own bf16 head (~3.8 ms there)."""
+    fallback = target_mm.fallback if isinstance(target_mm, Quantized) else target_mm
+    if isinstance(fallback, Packed) and fallback.source == Packed.identity(lm_head):
         return target_mm
     return multiplier(lm_head, notes)
