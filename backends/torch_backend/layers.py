@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hetero_sd.models.config import ArchConfig
 
 from .gemm import KernelUnavailable, Packed
+from .quant import Quantized
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,8 +39,11 @@ def orient(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight_t, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T for W presented as [in, out]: contiguous, the transposed view of a row-major W, or packed
-    for the float32 kernel (gemm.Packed, see `multiplier`)."""
-    if isinstance(weight_t, Packed):
+    for the float32 kernel (gemm.Packed, see `multiplier`), or GGUF blocks (quant.Quantized: decode and
+    verify rows; longer inputs multiply its float32 fallback)."""
+    if isinstance(weight_t, Quantized):
+        y = weight_t(x) if weight_t.takes(x) else linear(x, weight_t.fallback)
+    elif isinstance(weight_t, Packed):
         y = weight_t(x)
     else:
         y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())

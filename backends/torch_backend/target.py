@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
-from hetero_sd.models.weights import take
+from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
+from .quant import attach as attach_quantized
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
@@ -32,6 +33,9 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.mm_head = multiplier(self.lm_head, self.notes)
         self.layers = [DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
                        for i in range(cfg.num_hidden_layers)]
+        # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
+        self.weight_format = attach_quantized(self, converted_from(where)) or dtype_name(dtype)
+        self.mode = self.weight_format  # named in the cost probe (costs.backend_dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
 
@@ -80,3 +84,7 @@ class TorchTarget(CacheOwner, TargetBackend):
     def causal_mask(self, start: int, count: int) -> torch.Tensor:
         rows = torch.arange(count, device=self.device)[:, None] + start
         return torch.arange(start + count, device=self.device)[None, :] <= rows
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -14,7 +14,7 @@ from hetero_sd.errors import ConfigError, HomeError, ModelNotFoundError
 from hetero_sd.home import home, writable_home
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
-_DONE = ".hetero-sd-complete"
+from ..models.weights import CONVERTED_MARKER as _DONE
 
 
 def embedded_gguf() -> Path:

@@ -59,6 +59,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     if draft is None:
         t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
         info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+        info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
         return Loaded(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, target_folder=folder)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
@@ -72,6 +73,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
         dcfg.block_size = int(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
     info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+    info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
                       tensors, info["notes"])
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))

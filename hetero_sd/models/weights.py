@@ -51,3 +51,15 @@ def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple | None, where
         raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config says {tuple(shape)}",
                            "config.json and the weights disagree; re-download the model")
     return t
+
+
+CONVERTED_MARKER = ".hetero-sd-complete"  # written last by the GGUF conversion; it names the source file
+
+
+def converted_from(folder) -> Path | None:
+    """The GGUF file a converted folder was made from (its completion marker names it), if still there."""
+    try:
+        gguf = Path((Path(folder) / CONVERTED_MARKER).read_text().strip())
+    except OSError:
+        return None
+    return gguf if gguf.suffix == ".gguf" and gguf.is_file() else None
