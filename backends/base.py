@@ -59,6 +59,8 @@ class ModelWeights:
     fc: torch.Tensor | None = None  # the draft's: context features -> hidden, [features, hidden]
     hidden_norm: torch.Tensor | None = None  # the draft's norm of the fused features
     format: DraftFormat | None = None  # the draft's format (DFlash, DFlash2, ...)
+    read_bytes: int | None = None  # weight bytes a decode step reads, where not the tensors' own size
+    #                                (a target multiplying GGUF blocks reads those, not its float32 copy)
 
 
 def feature_parts(layer_ids: list[int], captured: list, num_layers: int, final_norm) -> list:

@@ -14,7 +14,8 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
-from .quant import attach as attach_quantized
+from .gemm import Packed
+from .quant import Quantized, attach as attach_quantized
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
@@ -41,7 +42,15 @@ class TorchTarget(CacheOwner, TargetBackend):
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
-                            self.cache.bytes_per_position(), self.rope)
+                            self.cache.bytes_per_position(), self.rope, read_bytes=self.quantized_bytes())
+
+    def quantized_bytes(self) -> int | None:
+        """Bytes of the matrices a decode step reads when they are GGUF blocks (quant.py), else None."""
+        mats = [self.mm_head] + [getattr(layer, a) for layer in self.layers
+                                 for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down")]
+        if not any(isinstance(m, Quantized) for m in mats):
+            return None
+        return sum(m.nbytes if isinstance(m, (Quantized, Packed)) else m.numel() * m.element_size() for m in mats)
 
     def fork(self) -> "TorchTarget":
         twin = copy.copy(self)

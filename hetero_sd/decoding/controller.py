@@ -186,6 +186,7 @@ class AutoBlock:
     MAX_GAP = 64
     PROBE_BUDGET = 0.02  # failed probes may cost this share of the plain steps' time, at most
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
+    RECHECK = 4  # plain steps between re-decisions in a plain stretch
     STATE_WEIGHT = 1.0  # steps' worth of the generation's overall rates behind each state's own rates
 
     def __init__(self, max_size: int, memory: Memory, prompt_ids: list[int] = (), allow_plain: bool = True):
@@ -233,7 +234,10 @@ class AutoBlock:
         return max(speeds, key=lambda s: (speeds[s], -s))
 
     def choose(self) -> int:
-        best = self.best()
+        # In a plain stretch only plain steps are observed, which barely move the speeds; re-deciding
+        # every RECHECK steps keeps the controller's own cost off steps that now take ~12 ms
+        settled = 0 < self.plain_run and self.plain_run % self.RECHECK and not self.repeats.last
+        best = PLAIN if settled else self.best()
         if best != PLAIN:
             self.plain_run = 0
             return best

@@ -214,5 +214,5 @@ def model_sizes(weights: ModelWeights) -> tuple[int, int, int]:
     for layer in weights.layers:
         mats += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
     params = sum(m.numel() for m in mats)
-    nbytes = sum(m.numel() * m.element_size() for m in mats)
+    nbytes = weights.read_bytes or sum(m.numel() * m.element_size() for m in mats)
     return nbytes, params, weights.kv_bytes_per_position
