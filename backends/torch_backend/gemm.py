@@ -175,23 +175,23 @@ def extension():
         raise KernelUnavailable("HETERO_SD_GEMM=torch")
     if isa() is None:
         raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2+FMA")
+    return build("hetero_sd_gemm", SOURCE)
+
+
+def build(prefix: str, source: str):
+    """Compile a C++ kernel module once per Python environment and torch, and load it; KernelUnavailable
+    with the reason. One build folder per environment: two venvs sharing ~/.cache/torch_extensions under
+    one name rebuild it for each other (their include paths differ) and wait on each other's build lock,
+    which stalled a generation for minutes when another checkout's tests ran."""
+    import hashlib
     ninja_on_path()
+    key = f"{sys.prefix}|{torch.__version__}|{source}".encode()
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline(extension_name(), cpp_sources=SOURCE, extra_cflags=["-O3", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        return load_inline(f"{prefix}_{hashlib.sha1(key).hexdigest()[:10]}", cpp_sources=source,
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a compiler or header problem: the caller announces it
         raise KernelUnavailable(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
-
-
-def extension_name() -> str:
-    """One build folder per Python environment and torch: two venvs sharing ~/.cache/torch_extensions
-    under one name rebuild it for each other (their include paths differ) and wait on each other's build
-    lock, which stalled a generation for minutes when another checkout's tests ran."""
-    import hashlib
-    import sys
-    key = f"{sys.prefix}|{torch.__version__}|{SOURCE}".encode()
-    return f"hetero_sd_gemm_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
 def ninja_on_path() -> None:

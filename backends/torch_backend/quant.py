@@ -23,15 +23,13 @@ float32 fallback. Built once per Python environment like gemm.py."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import sys
 
 import numpy as np
 import torch
 
 from .cpu import cpu_flags
-from .gemm import KernelUnavailable, ninja_on_path
+from .gemm import KernelUnavailable, build
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -272,19 +270,7 @@ def extension():
     """The compiled kernel module; raises KernelUnavailable with the reason (announced by the caller)."""
     if isa() is None:
         raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2+FMA+F16C")
-    ninja_on_path()
-    try:
-        from torch.utils.cpp_extension import load_inline
-        return load_inline(extension_name(), cpp_sources=SOURCE, extra_cflags=["-O3", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # a compiler or header problem: the caller announces it
-        raise KernelUnavailable(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
-
-
-def extension_name() -> str:
-    """One build folder per Python environment and torch (see gemm.extension_name)."""
-    key = f"{sys.prefix}|{torch.__version__}|{SOURCE}".encode()
-    return f"hetero_sd_quant_{hashlib.sha1(key).hexdigest()[:10]}"
+    return build("hetero_sd_quant", SOURCE)
 
 
 def dequantize(kind: str, rows: np.ndarray) -> torch.Tensor:
