@@ -132,16 +132,17 @@ def finish_autoregressive(r: Request, token: int) -> Iterator[Step]:
         yield Step(r.emit([token]))
 
 
-def plain_step(r: Request, anchor: int) -> tuple[Step, int, torch.Tensor]:
+def plain_step(r: Request, anchor: int, pending: list[torch.Tensor]) -> tuple[Step, int]:
     """One plain decode step inside a speculative generation (the controller chose it). The anchor's
-    context features are kept, so that the draft can take over again at any step."""
+    context features join `pending`, so that the draft can take over again at any step."""
     began = time.perf_counter()
     out = r.lanes.target("decode", lambda: r.target.forward([anchor]))
     token = r.sampler.sample(out.logits)[0]
     r.policy.observe_plain(time.perf_counter() - began)
     r.stats.record_plain()
     r.lanes.step += 1
-    return Step(r.emit([token])), token, out.features
+    pending.append(out.features)
+    return Step(r.emit([token])), token
 
 
 def on_draft(r: Request, label: str, job):
@@ -201,8 +202,7 @@ def speculative(r: Request) -> Iterator[Step]:
     while not r.budget.done:
         size = r.block_size()
         if size == PLAIN:
-            step, anchor, features = plain_step(r, anchor)
-            pending.append(features)
+            step, anchor = plain_step(r, anchor, pending)
             yield step
             continue
         logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, None, size))
@@ -231,8 +231,7 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
     while not r.budget.done:
         size = r.block_size()
         if size == PLAIN:  # a pre-drafted block, if any, is dropped unread
-            step, anchor, features = plain_step(r, anchor)
-            pending.append(features)
+            step, anchor = plain_step(r, anchor, pending)
             ready = None
             yield step
             continue
