@@ -108,7 +108,7 @@ def test_bench_on_ane_sim_reports_drift(tmp_path, tiny_llama, tiny_draft):
     prompts.write_text('{"prompt": "t5 t9 t12"}\n{"prompt": "t20 t7"}\n')
     out = tmp_path / "bench.json"
     assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--draft-device", "ane-sim",
-                 "--prompts", str(prompts), "--max-new-tokens", "12", "--json", str(out)]) == 0
+                 "--prompts", str(prompts), "--max-new-tokens", "12", "--block-size", "fixed", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["lossless"] is True and res["models"]["draft_device"] == "ane-sim"
     drift = res["drift"]

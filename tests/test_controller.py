@@ -66,28 +66,36 @@ def test_expensive_steps_make_plain_decoding_win_even_for_a_fair_draft():
     assert policy.best() != PLAIN
 
 
-def test_plain_mode_reprobes_with_a_growing_gap_bounded_by_the_probe_cost():
+def test_failed_probes_cost_at_most_the_probe_budget():
     policy = AutoBlock(16, Memory(cpu_like_costs(), 16))
-    chosen = settle(policy, lambda s: 0, steps=400)
-    probes = [i for i, s in enumerate(chosen) if s != PLAIN]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[0] <= AutoBlock.GAP + 1 < gaps[-1]  # backing off...
-    assert gaps[-1] == gaps[-2] == policy.max_gap(2) + 1  # ...up to what the probe budget allows
-    probe_excess = policy.memory.cost.step(2) - DECODE
-    assert probe_excess / (gaps[-1] * DECODE) <= AutoBlock.PROBE_BUDGET * 1.1
-    assert chosen.count(PLAIN) > 0.9 * len(chosen)
+    chosen = settle(policy, lambda s: 0, steps=600)
+    plain, probes = chosen.count(PLAIN), [i for i, s in enumerate(chosen) if s != PLAIN][1:]
+    excess = len(probes) * (policy.memory.cost.step(2) - DECODE)  # each probe emitted one token
+    assert 0 < excess <= AutoBlock.PROBE_BUDGET * plain * DECODE + 2 * policy.memory.probe_price
+    assert min(b - a for a, b in zip(probes, probes[1:])) > AutoBlock.GAP  # spaced, never in bursts
+    assert all(s in (PLAIN, 2) for s in chosen[20:])  # a probe is the smallest block
 
 
-def test_repeated_text_triggers_an_early_probe():
+def test_the_draft_catch_up_is_part_of_a_probes_price():
+    """A probe after a plain stretch also pays for the draft's catch-up on the context: a costly one
+    makes the next probe wait longer."""
+    waits = []
+    for context_s in (0.0, 0.05):
+        policy = AutoBlock(16, Memory(cpu_like_costs(), 16))
+        policy.probing = True
+        policy.observe(2, 1, 0, policy.memory.cost.model(2), context_s)
+        waits.append(policy.memory.probe_price / (AutoBlock.PROBE_BUDGET * DECODE))
+    assert waits[1] > 3 * waits[0]
+
+
+def test_repeated_text_brings_a_probe_sooner_when_the_budget_allows():
     policy = AutoBlock(16, Memory(cpu_like_costs(), 16), prompt_ids=[1, 2, 3, 4])
     settle(policy, lambda s: 0, steps=40)  # now in plain mode, probing rarely
-    assert policy.repeat_gap < policy.gap
-    policy.plain_run = 0
-    policy.emitted([1, 2, 3])  # the prompt's first three tokens again
-    steps = 1
-    while policy.choose() == PLAIN:
-        steps += 1
-    assert steps == policy.repeat_gap + 1
+    for credit, probe_after in ((0.0, None), (policy.memory.probe_price, AutoBlock.REPEAT_GAP + 1)):
+        policy.plain_run, policy.memory.probe_credit = 0, credit
+        policy.emitted([1, 2, 3])  # the prompt's first three tokens again
+        steps = [policy.choose() for _ in range(AutoBlock.GAP)]
+        assert (steps.index(2) + 1 if 2 in steps else None) == probe_after
 
 
 def test_a_paying_probe_brings_speculation_back():

@@ -24,7 +24,7 @@ def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t12", "category": "a"}\n{"prompt": "t20 t7", "category": "b"}\n')
     out = tmp_path / "bench.json"
-    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts),
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts), "--block-size", "fixed",
                  "--max-new-tokens", "10", "--peers", "transformers,llama.cpp,llama.cpp-dflash,zlab-reference",
                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())

@@ -15,6 +15,7 @@ from hetero_sd.train.model import TrainingDraft, TrainingVocab
 from hetero_sd.train.trainer import (FeatureCache, TrainConfig, block_labels, init_from_target, soft_ce,
                                      split_held_out, train)
 from hetero_sd.models.weights import load_weights
+from hetero_sd.errors import ConfigError
 
 
 def test_training_forward_is_the_inference_forward(tmp_path, tiny_llama):
@@ -36,6 +37,38 @@ def test_training_forward_is_the_inference_forward(tmp_path, tiny_llama):
         draft.crop(0)
         draft.add_context(features[:anchor])
         torch.testing.assert_close(trained[row], draft.propose(int(tokens[anchor])), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_sequences_train_as_if_each_ran_alone(tiny_llama):
+    """Two sequences packed end to end in one forward give each block exactly the hidden states it gets
+    from its own sequence alone: the mask keeps a block out of the other sequence's context."""
+    tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
+    raw = draft_config(tcfg, num_layers=2, block_size=5, mask_token_id=3, layer_ids=[0, 1])
+    target = load_target(tiny_llama, tcfg, "cpu", torch.float32, [0, 1])
+    model = TrainingDraft(raw, target.embed, target.lm_head.t())
+    lengths, anchors = (30, 22), (torch.tensor([12, 20]), torch.tensor([3, 9, 17]))
+    tokens = [torch.randint(0, 64, (n,)) for n in lengths]
+    features = [torch.randn(n, 2 * 64) for n in lengths]
+    with torch.no_grad():
+        alone = torch.cat([model(f, t, a) for f, t, a in zip(features, tokens, anchors)])
+        packed = model(torch.cat(features), torch.cat(tokens), torch.cat([anchors[0], anchors[1] + 30]),
+                       torch.tensor([0, 0, 30, 30, 30]))
+        leaky = model(torch.cat(features), torch.cat(tokens), torch.cat([anchors[0], anchors[1] + 30]))
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(leaky[2:], alone[2:], atol=1e-3)  # without starts, the second sequence sees the first
+    labels = block_labels(torch.cat(tokens), torch.tensor([27, 50]), 5, torch.tensor([30, 52]))
+    assert labels.tolist() == [tokens[0][28:30].tolist() + [-100, -100], [tokens[1][21].item(), -100, -100, -100]]
+
+
+def test_packed_training_learns_and_the_device_is_checked(tmp_path, tiny_llama):
+    rows = counting_rows()
+    first = train(tiny_llama, rows, tmp_path / "d", small_config(steps=1, eval_every=1, pack=2))["history"][-1]
+    last = train(tiny_llama, rows, tmp_path / "d", small_config(steps=200, lr=1e-2, eval_every=100, pack=2,
+                                                                 autocast="bf16"))["history"][-1]
+    assert last["held_out_tau"] > first["held_out_tau"] + 0.7, (first, last)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no cuda device"):
+            train(tiny_llama, rows, tmp_path / "e", small_config(steps=1, device="cuda"))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
+from . import fused
 from .gemm import Packed
 from .quant import Quantized, attach as attach_quantized
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
@@ -39,6 +40,10 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.mode = self.weight_format  # named in the cost probe (costs.backend_dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
+        why_not = fused.fusable(self)
+        self.fused = why_not is None  # a layer in ~12 calls instead of ~50 (fused.py)
+        if why_not and why_not != "HETERO_SD_FUSED=off" and device == "cpu" and dtype == torch.float32:
+            self.notes.append(f"fused layer ops not used: {why_not}")
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
@@ -72,6 +77,17 @@ class TorchTarget(CacheOwner, TargetBackend):
         h = F.embedding(torch.tensor([list(token_ids)], device=self.device), self.embed)
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else self.causal_mask(start, count)
+        if self.fused:
+            normed, captured = fused.forward_layers(self, h, start, cos, sin, mask, features)
+            normed = normed[0, -1:] if last_only else normed[0]
+        else:
+            normed, captured = self.forward_layers(h, start, cos, sin, mask, features, last_only)
+        self.cache.length = start + count
+        return TargetOutput(linear(normed, self.mm_head).float(), self.gather(captured) if features else None)
+
+    def forward_layers(self, h, start, cos, sin, mask, features: bool, last_only: bool) -> tuple:
+        """The decoder layers in torch ops: (the final norm of the last hidden state [T, H], the hidden
+        states captured at the feature layers)."""
         captured = []
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, self.config.rms_norm_eps), cos, sin)
@@ -79,9 +95,7 @@ class TorchTarget(CacheOwner, TargetBackend):
             h = layer.attend(h, q, keys, values, mask)
             if features and i in self.layer_ids:
                 captured.append(h)
-        self.cache.length = start + count
-        normed = rms_norm(h[0, -1:] if last_only else h[0], self.norm, self.config.rms_norm_eps)
-        return TargetOutput(linear(normed, self.mm_head).float(), self.gather(captured) if features else None)
+        return rms_norm(h[0, -1:] if last_only else h[0], self.norm, self.config.rms_norm_eps), captured
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.layer_ids:

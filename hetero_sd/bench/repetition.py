@@ -74,7 +74,8 @@ def add_counts(counts: Sequence[dict]) -> dict:
 def loop_figures(c: dict, speedup: float | None = None) -> dict:
     """Share, tau on everything and on the loop-free part (when steps are known), and the loop-free
     speedup (when the plain speedup is given)."""
-    out = {"loop_share": c["loop_tokens"] / c["tokens"] if c.get("tokens") else 0.0}
+    out = {"loop_share": c["loop_tokens"] / c["tokens"] if c.get("tokens") else 0.0,
+           "tau_all": None, "tau_loop_free": None}  # None: no speculative step (the controller decoded plainly)
     if c.get("steps"):
         tau = c["step_tokens"] / c["steps"]
         free = c["free_step_tokens"] / c["free_steps"] if c["free_steps"] else None

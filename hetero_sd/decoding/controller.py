@@ -9,11 +9,14 @@ controller picks the mode with the most expected tokens per second:
 - acceptance: counted per position on this generation's steps, decayed per emitted token so that it
   follows the text (code, prose, lists), shrunk towards a prior carried over from earlier generations.
 
-Plain decoding observes no acceptance, so in plain mode the controller re-probes speculation: after a
-run of plain steps that doubles each time a probe does not pay and resets when one does, or sooner
-when the text repeats itself (its last tokens occurred before in the prompt or the answer: code,
-lists and quotes are where drafts are right). Whatever is chosen, the target decides every token:
-the choice changes speed, never the output."""
+Plain decoding observes no acceptance, so in plain mode the controller re-probes speculation with the
+smallest block. Probes are paid from a budget: plain steps earn PROBE_BUDGET of their time, and a probe
+spends what it cost beyond the plain steps it replaced (the draft's catch-up on the context included),
+so failed probes cost at most that share of the time, across generations. A probe that pays earns
+its cost back. Probes come after GAP plain steps, or REPEAT_GAP when the text repeats itself (its
+last tokens occurred before in the prompt or the answer: code, lists and quotes are where drafts are
+right), once the budget covers one. Whatever is chosen, the target decides every token: the choice
+changes speed, never the output."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ class FixedBlock:
     def emitted(self, tokens: list[int]) -> None:
         pass
 
-    def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, size: int, drafted: int, accepted: int, seconds: float, context_s: float = 0.0) -> None:
         pass
 
     def observe_plain(self, seconds: float) -> None:
@@ -66,6 +69,7 @@ class CostModel:
     spec_factor: float = 1.0  # observed / modelled, speculative steps
     plain_factor: float = 1.0  # observed / modelled, plain steps
     learn: bool = True  # False: the measured costs as they are (tests and replays)
+    modelled: dict[int, float] = field(default_factory=dict, repr=False)
     ALPHA = 0.2
     CLIP = (0.5, 2.0)  # one observation moves a factor at most this far: a page fault or a stall elsewhere
     #                    on the machine is not the step's cost
@@ -77,7 +81,14 @@ class CostModel:
         return self.spec_factor * self.model(size)
 
     def model(self, size: int) -> float:
-        return interpolate(self.costs.draft_s, size) + interpolate(self.costs.verify_s, size)
+        # memoised: the controller asks for every size on the steps where it re-decides
+        if size not in self.modelled:
+            self.modelled[size] = interpolate(self.costs.draft_s, size) + interpolate(self.costs.verify_s, size)
+        return self.modelled[size]
+
+    def took(self, size: int, seconds: float) -> float:
+        """What a step is taken to have cost: as observed, or as modelled when not learning."""
+        return seconds if self.learn else self.step(size)
 
     def observe(self, size: int, seconds: float) -> None:
         if not self.learn:
@@ -107,32 +118,42 @@ class Acceptance:
     size: int
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    scale: float = 1.0  # decay not yet applied: a plain step only multiplies this (it runs every ~10 ms)
 
     def __post_init__(self):
         self.reached = self.reached or [0.0] * self.size
         self.accepted = self.accepted or [0.0] * self.size
 
     def add(self, drafted: int, accepted: int) -> None:
+        self.settle()
         for k in range(min(accepted + 1, drafted)):
             self.reached[k] += 1.0
             self.accepted[k] += k < accepted
 
     def decay(self, factor: float) -> None:
-        self.reached = [r * factor for r in self.reached]
-        self.accepted = [a * factor for a in self.accepted]
+        self.scale *= factor
 
-    def rates(self, count: int, prior: list[float], weight: float) -> list[float]:
+    def settle(self) -> None:
+        if self.scale != 1.0:
+            self.reached = [r * self.scale for r in self.reached]
+            self.accepted = [a * self.scale for a in self.accepted]
+            self.scale = 1.0
+
+    def rates(self, count: int, prior: list[float], weight: float, guess_weight: float = 1.0) -> list[float]:
         """Conditional acceptance per position, shrunk towards the prior (worth `weight` steps); where
-        the prior has no evidence either, a position is assumed to behave like the one before it."""
+        the prior has no evidence either, a position is assumed to behave like the one before it (a
+        guess, worth `guess_weight` steps)."""
+        self.settle()
         out, previous = [], prior[0] if prior else 0.5
         for k in range(count):
-            base = prior[k] if k < len(prior) else previous
-            previous = (self.accepted[k] + weight * base) / (self.reached[k] + weight)
+            base, w = (prior[k], weight) if k < len(prior) else (previous, guess_weight)
+            previous = (self.accepted[k] + w * base) / (self.reached[k] + w)
             out.append(previous)
         return out
 
     def conditional(self) -> list[float]:
         """Raw conditional rates where there is evidence (used as the next generations' prior)."""
+        self.settle()
         return [a / r for a, r in zip(self.accepted, self.reached) if r > 0.5]
 
 
@@ -144,6 +165,19 @@ class Memory:
         self.lock = threading.Lock()
         self.cost = CostModel(costs, learn=learn_costs)
         self.history = Acceptance(max_size)
+        # what the last probe cost beyond plain decoding: the price of the next one (first guess: the
+        # modelled smallest block against a decode step, without the draft's catch-up)
+        self.probe_price = max(self.cost.step(2) - self.cost.step(PLAIN), 0.0)
+        # seconds that probes may still spend beyond plain decoding: a fresh runtime may look once
+        self.probe_credit = self.probe_price
+
+    def earn(self, plain_s: float, budget: float) -> None:
+        # capped: a long plain stretch banks a couple of probes, not a burst of them
+        self.probe_credit = min(self.probe_credit + budget * plain_s, 2 * self.probe_price)
+
+    def spend(self, excess_s: float) -> None:
+        self.probe_credit -= excess_s
+        self.probe_price = max(excess_s, 0.0)
 
     def prior(self) -> list[float]:
         with self.lock:
@@ -151,6 +185,8 @@ class Memory:
 
     def absorb(self, acceptance: Acceptance) -> None:
         with self.lock:
+            acceptance.settle()
+            self.history.settle()
             for k in range(min(len(acceptance.reached), len(self.history.reached))):
                 self.history.reached[k] += acceptance.reached[k]
                 self.history.accepted[k] += acceptance.accepted[k]
@@ -181,10 +217,10 @@ class AutoBlock:
     """The controller for one generation (see the module docstring)."""
 
     DECAY = 0.98  # per emitted token: evidence halves every ~34 tokens of text
-    PRIOR_WEIGHT = 1.0
-    GAP = 4  # plain steps before the first re-probe
-    MAX_GAP = 64
-    PROBE_BUDGET = 0.02  # failed probes may cost this share of the plain steps' time, at most
+    PRIOR_WEIGHT = 4.0  # steps' worth of earlier generations: one lucky accept must not turn a draft
+    #                     that never paid into a block on every step (the largest of noisy estimates wins)
+    GAP = 4  # plain steps between probes, at least
+    PROBE_BUDGET = 0.01  # failed probes may cost this share of the plain steps' time, at most
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
     RECHECK = 4  # plain steps between re-decisions in a plain stretch
     STATE_WEIGHT = 1.0  # steps' worth of the generation's overall rates behind each state's own rates
@@ -199,7 +235,7 @@ class AutoBlock:
         self.hot = False
         self.prior = memory.prior()
         self.repeats = Repeats(list(prompt_ids))
-        self.plain_run, self.gap, self.repeat_gap = 0, self.GAP, self.REPEAT_GAP
+        self.plain_run = 0
         self.probing = False
         self.probes = self.probe_hits = 0
 
@@ -251,9 +287,10 @@ class AutoBlock:
         return PLAIN
 
     def probe_due(self) -> bool:
-        if self.plain_run >= self.gap:
-            return True
-        return self.repeats.last and self.plain_run >= self.repeat_gap
+        if self.plain_run < (self.REPEAT_GAP if self.repeats.last else self.GAP):
+            return False
+        with self.memory.lock:
+            return self.memory.probe_credit >= self.memory.probe_price
 
     # --- what happened ----------------------------------------------------------------------------
     def emitted(self, tokens: list[int]) -> None:
@@ -261,38 +298,31 @@ class AutoBlock:
         for acceptance in (self.acceptance, *self.by_state.values()):
             acceptance.decay(self.DECAY ** len(tokens))
 
-    def observe(self, size: int, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, size: int, drafted: int, accepted: int, seconds: float, context_s: float = 0.0) -> None:
+        """A speculative step took `seconds`, plus `context_s` for the draft's catch-up on context."""
         self.acceptance.add(drafted, accepted)
         self.by_state[self.hot].add(drafted, accepted)
         self.hot = accepted >= drafted
         with self.memory.lock:
             self.memory.cost.observe(size, seconds)
+            if self.probing:  # its price: what it cost beyond the plain steps that its tokens replace
+                cost = self.memory.cost
+                self.memory.spend(cost.took(size, seconds) + context_s - (accepted + 1) * cost.step(PLAIN))
         if self.probing:
             self.probing = False
-            if self.best() == PLAIN:  # the probe did not pay: wait longer before the next one
-                self.gap = min(2 * self.gap, self.max_gap(size))
-                self.repeat_gap = min(2 * self.repeat_gap, self.gap)
-            else:
-                self.probe_hits += 1
-                self.gap, self.repeat_gap = self.GAP, self.REPEAT_GAP
-
-    def max_gap(self, size: int) -> int:
-        """The longest wait between probes: long enough that failed probes (a step of `size` instead
-        of a decode step) cost at most PROBE_BUDGET of the time, short enough to catch a stretch of
-        predictable text; cheap probes (a fast verify) are made more often."""
-        with self.memory.lock:
-            excess = self.memory.cost.step(size) - self.memory.cost.step(PLAIN)
-            decode = self.memory.cost.step(PLAIN)
-        return int(min(max(excess / (self.PROBE_BUDGET * decode), self.GAP), self.MAX_GAP))
+            self.probe_hits += self.best() != PLAIN
 
     def observe_plain(self, seconds: float) -> None:
         with self.memory.lock:
             self.memory.cost.observe(PLAIN, seconds)
+            self.memory.earn(self.memory.cost.took(PLAIN, seconds), self.PROBE_BUDGET)
 
     def finish(self) -> dict:
         """Hand this generation's acceptance to the runtime's memory; the stats' view of the controller."""
         self.memory.absorb(self.acceptance)
         with self.memory.lock:
             costs = self.memory.cost.to_dict()
+            credit = self.memory.probe_credit
         return {"costs": costs, "probes": self.probes, "probes_that_paid": self.probe_hits,
+                "probe_credit_s": round(credit, 4),
                 "acceptance_prior": [round(p, 3) for p in self.prior]}

@@ -82,6 +82,7 @@ class Request:
     rule: str = "match"
     policy: FixedBlock | AutoBlock | None = None  # the size of each step (speculative loops; None without a draft)
     draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
+    context_s: float = 0.0  # of which the draft's catch-up on context (long after a plain stretch)
 
     def block_size(self) -> int:
         """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
@@ -163,7 +164,7 @@ def fault(r: Request, e: Exception) -> None:
 def first_block(r: Request, anchor: int, context: torch.Tensor) -> torch.Tensor | None:
     """The block after prefill, drafted at the draft's own size (draft_step's experiments)."""
     r.draft.crop(0)
-    return timed_draft(r, partial(next_block, r.draft, [context], anchor, None))
+    return timed_draft(r, partial(next_block, r, [context], anchor, None))
 
 
 def timed_draft(r: Request, job) -> torch.Tensor | None:
@@ -187,7 +188,8 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
     r.target.crop(start + keep)
     r.stats.record_step(len(drafted), verdict.accepted)
-    r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted, r.draft_s + time.perf_counter() - began)
+    r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted,
+                     r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
     r.lanes.step += 1
     return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
@@ -205,7 +207,7 @@ def speculative(r: Request) -> Iterator[Step]:
             step, anchor = plain_step(r, anchor, pending)
             yield step
             continue
-        logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, None, size))
+        logits = timed_draft(r, partial(next_block, r, pending, anchor, None, size))
         if logits is None:
             yield from finish_autoregressive(r, anchor)
             return
@@ -214,12 +216,15 @@ def speculative(r: Request) -> Iterator[Step]:
         yield step
 
 
-def next_block(draft: DraftBackend, context: list[torch.Tensor], anchor: int, ready: torch.Tensor | None,
+def next_block(r: Request, context: list[torch.Tensor], anchor: int, ready: torch.Tensor | None,
                size: int | None = None) -> torch.Tensor:
     """Extend the draft's context with the positions emitted since its last block (joined once here, not
-    per plain step), then the next block: pre-drafted or fresh."""
-    draft.add_context(context[0] if len(context) == 1 else torch.cat(context))
-    return checked(ready if ready is not None else draft.propose(anchor, size=size))
+    per plain step), then the next block: pre-drafted or fresh. The catch-up is timed apart: after a
+    plain stretch it is most of the step, a cost of the switch and not of the block size."""
+    began = time.perf_counter()
+    r.draft.add_context(context[0] if len(context) == 1 else torch.cat(context))
+    r.context_s = time.perf_counter() - began
+    return checked(ready if ready is not None else r.draft.propose(anchor, size=size))
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:
@@ -235,7 +240,7 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
             ready = None
             yield step
             continue
-        logits = timed_draft(r, partial(next_block, r.draft, pending, anchor, ready, size))
+        logits = timed_draft(r, partial(next_block, r, pending, anchor, ready, size))
         if logits is None:
             yield from finish_autoregressive(r, anchor)
             return

@@ -47,7 +47,12 @@ def add_parser(sub) -> None:
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--accumulate", type=int, default=4)
+    t.add_argument("--accumulate", type=int, default=4, help="sequences per optimizer step")
+    t.add_argument("--pack", type=int, default=1,
+                   help="sequences per forward, packed end to end with a mask that keeps them apart")
+    t.add_argument("--device", default="cpu", help="cpu, cuda or mps: where the draft trains")
+    t.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto",
+                   help="bf16 autocast (auto: on CUDA with bf16, float32 elsewhere)")
     t.add_argument("--anchors", type=int, default=24)
     t.add_argument("--vocab", choices=["data", "full"], default="data",
                    help="softmax of the loss over the answers' tokens (~3x cheaper steps) or all tokens")
@@ -128,7 +133,8 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
     cfg = TrainConfig(block_size=args.block_size, layers=args.layers, steps=args.steps, lr=args.lr,
                       accumulate=args.accumulate, anchors=args.anchors, eval_every=args.eval_every, seed=args.seed,
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
-                      snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target")
+                      snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
+                      pack=args.pack, device=args.device, autocast=args.autocast)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -23,13 +23,15 @@ class TrainingDraft:
     """The draft's tensors under training; each forward runs the torch backend's TorchDraft over them."""
 
     def __init__(self, raw: dict, embed: torch.Tensor, lm_head: torch.Tensor):
-        """raw: the draft's config.json (dict); embed [V, H] and lm_head [V, H]: the target's, frozen."""
+        """raw: the draft's config.json (dict); embed [V, H] and lm_head [V, H]: the target's, frozen; the
+        draft trains on their device."""
         self.raw, self.cfg = raw, DraftConfig.from_dict(raw)
         self.block_size, self.mask_token_id = self.cfg.block_size, self.cfg.mask_token_id
         self.embed, self.lm_head = embed.detach(), lm_head.detach()
+        self.device = self.embed.device
         initial = random_draft_tensors(raw)  # HF's Qwen3 initialisation; train() starts from the target's
         names = [n for n in initial if n != "norm.weight"] + ["norm.weight"]  # the checkpoint's order
-        self.tensors = {n: initial[n].float().requires_grad_() for n in names}
+        self.tensors = {n: initial[n].float().to(self.device).requires_grad_() for n in names}
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.tensors.values())
@@ -50,18 +52,24 @@ class TrainingDraft:
 
     def draft(self, features: torch.Tensor) -> TorchDraft:
         """The backend's draft over the current tensors (unpacked, so gradients reach them)."""
-        return TorchDraft(self.cfg, self.tensors, "training", "cpu", torch.float32, self.embed, self.lm_head.t(),
-                          features.shape[-1], self.mask_token_id, features.shape[0] + self.block_size, pack=False)
+        return TorchDraft(self.cfg, self.tensors, "training", str(self.device), torch.float32, self.embed,
+                          self.lm_head.t(), features.shape[-1], self.mask_token_id, features.shape[0] + self.block_size,
+                          pack=False)
 
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """features [S, L*H] of one sequence, tokens [S], anchors [n] (positions): hidden [n, B-1, H]
-        for block positions 1..B-1 (what the lm_head turns into draft logits)."""
-        b, n = self.block_size, anchors.shape[0]
-        block_ids = torch.full((n, b), self.mask_token_id, dtype=torch.long)
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                 starts: torch.Tensor | None = None) -> torch.Tensor:
+        """features [S, L*H], tokens [S], anchors [n] (positions): hidden [n, B-1, H] for block positions
+        1..B-1 (what the lm_head turns into draft logits). Several sequences packed end to end train in
+        one forward: `starts` [n] gives the first position of each anchor's sequence, and a block sees
+        only its own sequence's context (RoPE is relative, so the offset changes nothing)."""
+        b, n, device = self.block_size, anchors.shape[0], self.device
+        tokens, anchors = tokens.to(device), anchors.to(device)
+        starts = torch.zeros_like(anchors) if starts is None else starts.to(device)
+        block_ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = tokens[anchors]
-        positions = (anchors[:, None] + torch.arange(b)).flatten()
+        positions = (anchors[:, None] + torch.arange(b, device=device)).flatten()
         hidden = self.draft(features).denoise(features, block_ids.flatten(), positions,
-                                              block_mask(anchors, features.shape[0], b))
+                                              block_mask(anchors, features.shape[0], b, starts))
         return hidden.view(n, b, -1)[:, 1:]
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,10 +100,11 @@ class TrainingVocab:
     def draw(self, rng) -> None:
         """Pick this step's vocabulary: every answer token plus `negatives` others (none with rng=None)."""
         extra = rng.sample(self.others, self.negatives) if rng is not None else []
-        self.ids = torch.tensor(sorted(self.answers + extra), dtype=torch.long)
+        device = self.lm_head.device
+        self.ids = torch.tensor(sorted(self.answers + extra), dtype=torch.long, device=device)
         self.head = self.lm_head[self.ids].contiguous()
-        self.index = torch.full((self.lm_head.shape[0],), -100, dtype=torch.long)
-        self.index[self.ids] = torch.arange(len(self.ids))
+        self.index = torch.full((self.lm_head.shape[0],), -100, dtype=torch.long, device=device)
+        self.index[self.ids] = torch.arange(len(self.ids), device=device)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -105,10 +114,14 @@ class TrainingVocab:
         return torch.where(labels >= 0, self.index[labels.clamp_min(0)], -100)
 
 
-def block_mask(anchors: torch.Tensor, context_len: int, block: int) -> torch.Tensor:
-    """[n*B, S + n*B] bool: context strictly before the block's anchor, plus the block itself."""
-    n = anchors.shape[0]
-    owner = torch.arange(n).repeat_interleave(block)
-    sees_context = torch.arange(context_len)[None, :] < anchors[owner][:, None]
+def block_mask(anchors: torch.Tensor, context_len: int, block: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """[n*B, S + n*B] bool: the context of the block's own sequence (from `starts`, default 0) strictly
+    before its anchor, plus the block itself."""
+    n, device = anchors.shape[0], anchors.device
+    owner = torch.arange(n, device=device).repeat_interleave(block)
+    context = torch.arange(context_len, device=device)[None, :]
+    sees_context = context < anchors[owner][:, None]
+    if starts is not None:
+        sees_context &= context >= starts[owner][:, None]
     sees_block = owner[:, None] == owner[None, :]
     return torch.cat([sees_context, sees_block], 1)

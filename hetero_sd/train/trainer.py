@@ -45,6 +45,9 @@ class TrainConfig:
     soft: float = 0.0  # weight of distillation from the target's distribution (0: hard labels only)
     soft_top_k: int = 32  # the target's distribution kept per position: its k most likely tokens
     snapshots: bool = False  # keep the draft of every evaluation (OUT/snapshots/step-N): a learning curve
+    pack: int = 1  # sequences per forward, packed end to end (the step's `accumulate` split into packs)
+    device: str = "cpu"  # "cpu", "cuda" or "mps": where the draft trains and the target makes features
+    autocast: str = "auto"  # "bf16", "off", or "auto": bf16 where the device computes it natively (CUDA)
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -57,9 +60,10 @@ class FeatureCache:
     (millions of tokens, ~5.8 KB of features per token for SmolLM2) they do not, and each sequence is
     seen only a few times, so recomputing costs little over caching."""
 
-    def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0):
+    def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0,
+                 device: str = "cpu"):
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
-        self.target = load_target(target_folder, cfg, "cpu", torch.float32, layer_ids)
+        self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids)
         self.store: OrderedDict[int, tuple] = OrderedDict()
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
 
@@ -153,27 +157,81 @@ def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int
     return torch.tensor(sorted(rng.sample(choices, min(count, len(choices)))), dtype=torch.long)
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
-    """Labels [n, B-1]: the tokens at anchor+1..anchor+B-1; -100 past the end of the sequence."""
-    pos = anchors[:, None] + torch.arange(1, block)
-    return torch.where(pos < tokens.shape[0], tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int, ends: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Labels [n, B-1]: the tokens at anchor+1..anchor+B-1; -100 past the end of the anchor's sequence
+    (`ends` [n] where sequences are packed, else the end of `tokens`)."""
+    pos = anchors[:, None] + torch.arange(1, block, device=anchors.device)
+    end = tokens.shape[0] if ends is None else ends[:, None]
+    return torch.where(pos < end, tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
 
 
-def loss_fn(model: TrainingDraft, features, tokens, anchors, weights, vocab: TrainingVocab | None = None,
-            teacher: tuple[torch.Tensor, torch.Tensor] | None = None, soft: float = 0.0):
-    """Cross-entropy at each block position, weighted by position; with `teacher` (the target's top-k
-    log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's own
-    distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows)."""
-    labels = block_labels(tokens, anchors, model.block_size)
+@dataclass
+class Batch:
+    """Sequences packed end to end for one forward: per anchor, its sequence's start and end."""
+
+    features: torch.Tensor  # [S, L*H]
+    tokens: torch.Tensor  # [S]
+    anchors: torch.Tensor  # [n]
+    starts: torch.Tensor  # [n]
+    ends: torch.Tensor  # [n]
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # the target's top-k log-probs and ids [S, k]
+
+
+def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, features, soft: bool,
+               device) -> Batch:
+    """`count` sequences drawn from `rows`, each with its random anchors, packed for one forward."""
+    parts, offset = {"features": [], "tokens": [], "anchors": [], "starts": [], "ends": [], "logp": [], "ids": []}, 0
+    for _ in range(count):
+        row = rng.choice(rows)
+        ids = row["prompt_ids"] + row["response_ids"]
+        chosen = sample_anchors(rng, len(row["prompt_ids"]), len(ids), anchors)
+        parts["features"].append(features(row["index"], ids))
+        parts["tokens"].append(torch.tensor(ids))
+        parts["anchors"].append(chosen + offset)
+        parts["starts"].append(torch.full_like(chosen, offset))
+        parts["ends"].append(torch.full_like(chosen, offset + len(ids)))
+        if soft:
+            logp, top = features.teacher(row["index"], ids)
+            parts["logp"].append(logp)
+            parts["ids"].append(top)
+        offset += len(ids)
+    cat = {k: torch.cat(v).to(device) for k, v in parts.items() if v}
+    teacher = (cat["logp"], cat["ids"]) if soft else None
+    return Batch(cat["features"], cat["tokens"], cat["anchors"], cat["starts"], cat["ends"], teacher)
+
+
+def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | None = None, soft: float = 0.0):
+    """Cross-entropy at each block position, weighted by position; with the batch's teacher (the target's
+    top-k log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's
+    own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows)."""
+    labels = block_labels(batch.tokens, batch.anchors, model.block_size, batch.ends)
     head = None if vocab is None else vocab.head
-    logits = model.logits(model(features, tokens, anchors), head)
+    logits = model.logits(model(batch.features, batch.tokens, batch.anchors, batch.starts), head)
     logq = logits.float().log_softmax(-1)
     hard_labels = labels if vocab is None else vocab.labels(labels)
     ce = -logq.gather(-1, hard_labels.clamp_min(0)[..., None])[..., 0]
-    if teacher is not None and soft > 0:
-        ce = (1 - soft) * ce + soft * soft_ce(logq, teacher, anchors, model.block_size, vocab)
+    if batch.teacher is not None and soft > 0:
+        ce = (1 - soft) * ce + soft * soft_ce(logq, batch.teacher, batch.anchors, model.block_size, vocab)
     w = weights.expand_as(labels) * (labels != -100) * (hard_labels != -100)
     return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def train_device(name: str, autocast: str) -> tuple[str, torch.dtype | None]:
+    """The device to train on and the autocast dtype there (None: float32 throughout)."""
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+    if name not in available:
+        raise ConfigError(f"--device {name}: not a training device", "use --device cpu, cuda or mps")
+    if not available[name]:
+        raise ConfigError(f"--device {name}: this torch build sees no {name} device",
+                          "install a torch build for it, or train with --device cpu")
+    if autocast not in ("auto", "bf16", "off"):
+        raise ConfigError(f"--autocast {autocast}: unknown", "use --autocast auto, bf16 or off")
+    if autocast == "auto":  # CUDA tensor cores compute bf16 natively; elsewhere float32 measured as fast
+        native = name == "cuda" and torch.cuda.is_bf16_supported()
+        return name, torch.bfloat16 if native else None
+    return name, torch.bfloat16 if autocast == "bf16" else None
 
 
 def soft_ce(logq, teacher, anchors, block: int, vocab: TrainingVocab | None) -> torch.Tensor:
@@ -194,9 +252,9 @@ def held_out_tau(model: TrainingDraft, rows, features) -> float:
     """Greedy acceptance on held-out sequences: anchors every B tokens, leading correct drafts + bonus."""
     lengths = []
     for row in rows:
-        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"], device=model.device)
         p, s, b = len(row["prompt_ids"]), tokens.shape[0], model.block_size
-        anchors = torch.arange(p, s - 1, b)
+        anchors = torch.arange(p, s - 1, b, device=model.device)
         if not len(anchors):
             continue
         labels = block_labels(tokens, anchors, b)
@@ -216,7 +274,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
-    features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0)
+    device, autocast = train_device(cfg.device, cfg.autocast)
+    features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device)
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
     train_rows = [r for r in rest if len(r["response_ids"]) > 1]
@@ -235,7 +294,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
     else:
         init_from_draft(model, Path(cfg.init), raw)
-    weights = torch.exp(-torch.arange(cfg.block_size - 1) / cfg.decay())
+    weights = torch.exp(-torch.arange(cfg.block_size - 1, device=device) / cfg.decay())
     began, cpu0 = time.perf_counter(), time.process_time() - (cfg.history[-1].get("cpu_s", 0) if cfg.history else 0)
     for step in range(start, cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
@@ -244,14 +303,11 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         total = 0.0
         if vocab is not None:
             vocab.draw(rng)
-        for _ in range(cfg.accumulate):
-            row = rng.choice(train_rows)
-            ids = row["prompt_ids"] + row["response_ids"]
-            tokens = torch.tensor(ids)
-            anchors = sample_anchors(rng, len(row["prompt_ids"]), len(ids), cfg.anchors)
-            teacher = features.teacher(row["index"], ids) if cfg.soft > 0 else None
-            loss = loss_fn(model, features(row["index"], ids), tokens, anchors, weights, vocab, teacher,
-                           cfg.soft) / cfg.accumulate
+        for first in range(0, cfg.accumulate, cfg.pack):
+            count = min(cfg.pack, cfg.accumulate - first)
+            batch = make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device)
+            with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = loss_fn(model, batch, weights, vocab, cfg.soft) * count / cfg.accumulate
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
