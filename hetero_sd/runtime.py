@@ -388,7 +388,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         return Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
-                                f"{info['target_weights']}/{info['draft_dtype']}", d.block_size, code_id(t, d))
+                                f"{info['target_weights']}/{info['draft_dtype']}/fused={getattr(t, 'fused', False)}",
+                                d.block_size, code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block)
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

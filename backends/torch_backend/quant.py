@@ -51,11 +51,11 @@ __attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t l
   const __m512i mask = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    _mm_prefetch((const char*)(blk + 4 * BB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 4 * BB + 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 4 * BB + 128), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 4 * BB + 192), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 4 * BB + 256), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 128), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 192), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 256), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB)));
     const uint8_t* qs = blk + 4 * NB;
@@ -81,7 +81,7 @@ __attribute__((target("avx512f"))) static void q80_512(const float* x, int64_t l
   for (int r = 0; r < R; ++r) { ev[r] = _mm512_setzero_ps(); od[r] = _mm512_setzero_ps(); }
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 3 * BB + l), _MM_HINT_T0);
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 16 * BB + l), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     const int8_t* qs = (const int8_t*)(blk + 2 * NB);
     const float* xb = x + b * 32;
@@ -107,9 +107,9 @@ __attribute__((target("avx2,fma,f16c"))) static void q41_256(const float* x, int
   const __m256i mask = _mm256_set1_epi32(0xF);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    _mm_prefetch((const char*)(blk + 6 * BB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 6 * BB + 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 6 * BB + 128), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(blk + 12 * BB + 128), _MM_HINT_T0);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB)));
     const uint8_t* qs = blk + 4 * NB;
@@ -135,7 +135,7 @@ __attribute__((target("avx2,fma,f16c"))) static void q80_256(const float* x, int
   for (int r = 0; r < R; ++r) { ev[r] = _mm256_setzero_ps(); od[r] = _mm256_setzero_ps(); }
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 4 * BB + l), _MM_HINT_T0);
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 16 * BB + l), _MM_HINT_T0);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
     const int8_t* qs = (const int8_t*)(blk + 2 * NB);
     const float* xb = x + b * 32;
