@@ -136,7 +136,19 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
             "draft_to_verify_cost": cost_ratio(timelines),
             "mean_verify_s": mean_span(timelines, "verify"), "mean_draft_s": mean_span(timelines, "draft"),
             "fallbacks": sum(s.fallback is not None for s in stats),
-            "block_size_histogram": total.block_size_histogram, "tokens_by_mode": {m: sum(s.tokens_by_mode[m] for s in stats) for m in stats[0].tokens_by_mode}}
+            "block_size_histogram": total.block_size_histogram,
+            "tokens_by_mode": {m: sum(s.tokens_by_mode[m] for s in stats) for m in stats[0].tokens_by_mode}
+            } | controller_row(stats)
+
+
+def controller_row(stats) -> dict:
+    """What the controller did over the run (block "auto"): its probes, and the costs it used at the end."""
+    seen = [s.controller for s in stats if s.controller]
+    if not seen:
+        return {}
+    return {"controller": {"probes": sum(c["probes"] for c in seen),
+                           "probes_that_paid": sum(c["probes_that_paid"] for c in seen),
+                           "last": seen[-1]}}
 
 
 def mean_span(timelines, name: str) -> float | None:
