@@ -131,29 +131,23 @@ def token_ids(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def block(value, draft_size: int):
-    """A per-generation block setting: 'fixed' (the draft's), 'auto', or a size 2..the draft's."""
+def block(value, draft_size: int, name: str = "block"):
+    """A block setting: 'auto' (the controller), 'fixed' (the draft's own size on every step), or a size
+    from 2 to the draft's own. `name` is what the caller called it (generate's block, load's block size)."""
     if value in ("fixed", "auto"):
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 2 <= value <= draft_size:
-        return int(value)
-    raise InvalidArgumentError(f"block {value!r} is not a block size this draft can fill",
-                               f"use 'fixed', 'auto' or a size from 2 to {draft_size}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be an integer, 'auto' or 'fixed', got {value!r}",
+                                   f"pass a size from 2 to {draft_size}, 'auto' or 'fixed'")
+    if not 2 <= value <= draft_size:
+        raise InvalidArgumentError(f"{name} {value} is outside what this draft fills (2 to its own "
+                                   f"block size, {draft_size})", f"pass a {name} from 2 to {draft_size}")
+    return int(value)
 
 
 def block_size(value, draft_size: int):
-    """load(block_size=...): None or 'auto' (the controller), 'fixed' (the draft's own size on every
-    step), or a size from 2 to the draft's own."""
-    if value is None or value in ("auto", "fixed"):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"block size must be an integer, 'auto' or 'fixed', got {value!r}",
-                                   f"pass a size from 2 to {draft_size}, 'auto' or 'fixed'")
-    if not 2 <= value <= draft_size:
-        raise InvalidArgumentError(f"block size {value} is outside what this draft fills (2 to its own "
-                                   f"block size, {draft_size})",
-                                   f"pass a block size from 2 to {draft_size}")
-    return int(value)
+    """load(block_size=...): None (the default: 'auto') or a block setting as for `block`."""
+    return None if value is None else block(value, draft_size, "block size")
 
 
 def output_file(path, flag: str) -> Path:

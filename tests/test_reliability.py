@@ -138,8 +138,8 @@ BAD_CALLS = [
     ("t5", {"top_k": -3}, "top_k must be >= 0"),
     ("t5", {"seed": 1.5}, "seed must be an integer"),
     ("t5", {"rule": "greedy"}, "unknown acceptance rule"),
-    ("t5", {"block": 999}, "block 999 is not a block size this draft can fill"),
-    ("t5", {"block": 1}, "block 1 is not a block size"),
+    ("t5", {"block": 999}, r"block 999 is outside what this draft fills \(2 to its own block size, 6\)"),
+    ("t5", {"block": 1}, r"block 1 is outside what this draft fills"),
     ("t5", {"speculative": "no"}, "speculative must be True or False"),
 ]
 
@@ -278,7 +278,7 @@ def test_bench_refuses_a_directory_as_prompts_file(capsys, tmp_path):
 def test_bench_refuses_blocks_the_draft_cannot_fill_before_the_first_prompt(capsys, tmp_path, tiny_llama, tiny_draft):
     refused(capsys, ["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--blocks", "4,999",
                      "--prompts", str(prompts_file(tmp_path, '{"prompt": "t5"}\n'))],
-            "block 999 is not a block size this draft can fill")
+            "block 999 is outside what this draft fills (2 to its own block size, 6)")
     refused(capsys, ["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--block-size", "999",
                      "--prompts", str(prompts_file(tmp_path, '{"prompt": "t5"}\n'))], "block size 999 is outside")
 
