@@ -38,6 +38,8 @@ def test_loop_free_tau_splits_steps_by_their_tokens():
     assert pooled["tau_loop_free"] == pytest.approx(21 / 2.25)
 
 
-def test_counts_without_steps_give_the_share_alone():
+def test_counts_without_steps_give_the_share_and_no_tau():
+    """No speculative step (autoregressive, or the controller decoded plainly): the share, and tau named
+    as unknown rather than left out (readers of the JSON find the keys)."""
     f = loop_figures(add_counts([loop_counts([5] * 10), loop_counts(list(range(10)))]))
-    assert f == {"loop_share": pytest.approx(2 / 20)}
+    assert f == {"loop_share": pytest.approx(2 / 20), "tau_all": None, "tau_loop_free": None}
