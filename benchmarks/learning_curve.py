@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--every", type=int, default=1, help="evaluate every n-th snapshot")
+    ap.add_argument("--last", action="store_true", help="evaluate only each run's latest snapshot")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/learning_curve.json"))
     args = ap.parse_args()
     sets = prompt_sets(args.prompts)
@@ -83,7 +84,7 @@ def main() -> None:
     print(json.dumps(points[-1]), flush=True)
     for run in map(Path, args.runs):
         snaps = sorted((run / "snapshots").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-        for snap in snaps[args.every - 1::args.every]:
+        for snap in snaps[-1:] if args.last else snaps[args.every - 1::args.every]:
             step = int(snap.name.split("-")[1])
             record = log_at(run, step)
             began = time.perf_counter()
