@@ -21,6 +21,7 @@ from hetero_sd.backends.shadow import ShadowedDraft
 from hetero_sd.decoding import loop as decoding
 from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
 from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, source_id
+from hetero_sd.decoding.costs import backend_dtype
 from hetero_sd.decoding.lanes import Lane, Lanes
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
 from hetero_sd.decoding.stats import Stats
@@ -388,8 +389,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         return Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
-                                f"{info['target_weights']}/{info['draft_dtype']}/fused={getattr(t, 'fused', False)}",
-                                d.block_size, code_id(t, d))
+                                f"{backend_dtype(t)}/{info['draft_dtype']}", d.block_size, code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block)
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

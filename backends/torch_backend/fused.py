@@ -129,20 +129,19 @@ def extension():
     return build("hetero_sd_fused", SOURCE)
 
 
-def fusable(target) -> str | None:
-    """Why this target's layers cannot take the fused path (None: they can)."""
-    if not enabled():
-        return "HETERO_SD_FUSED=off"
-    if target.device != "cpu" or target.dtype != torch.float32:
-        return "only float32 CPU targets"
+def fusable(target) -> tuple[bool, str | None]:
+    """(whether this target's layers take the fused path, the reason to announce when a float32 CPU target
+    does not: other devices and dtypes, and the user's own opt-out, need no note)."""
+    if not enabled() or target.device != "cpu" or target.dtype != torch.float32:
+        return False, None
     layer = target.layers[0]
     if layer.q_norm is not None or layer.bqkv is not None:
-        return "q/k norms or biases (Qwen-style layers) are not fused yet"
+        return False, "fused layer ops not used: q/k norms or biases (Qwen-style layers) are not fused yet"
     try:
         extension()
     except KernelUnavailable as e:
-        return f"the fused-op kernel did not build ({e})"
-    return None
+        return False, f"fused layer ops not used: their kernel did not build ({e})"
+    return True, None
 
 
 def forward_layers(target, h: torch.Tensor, start: int, cos, sin, mask, features: bool) -> tuple:

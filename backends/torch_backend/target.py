@@ -37,13 +37,13 @@ class TorchTarget(CacheOwner, TargetBackend):
                        for i in range(cfg.num_hidden_layers)]
         # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
         self.weight_format = attach_quantized(self, converted_from(where)) or dtype_name(dtype)
-        self.mode = self.weight_format  # named in the cost probe (costs.backend_dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
-        why_not = fused.fusable(self)
-        self.fused = why_not is None  # a layer in ~12 calls instead of ~50 (fused.py)
-        if why_not and why_not != "HETERO_SD_FUSED=off" and device == "cpu" and dtype == torch.float32:
-            self.notes.append(f"fused layer ops not used: {why_not}")
+        self.fused, why_not = fused.fusable(self)  # a layer in ~12 calls instead of ~50 (fused.py)
+        self.notes += [why_not] if why_not else []
+        # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
+        named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
+        self.mode = ", ".join(named) or self.weight_format
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
