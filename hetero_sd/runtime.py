@@ -20,7 +20,7 @@ from hetero_sd.backends.selection import logits_of
 from hetero_sd.backends.shadow import ShadowedDraft
 from hetero_sd.decoding import loop as decoding
 from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
-from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, source_id
+from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, forget as forget_costs, source_id
 from hetero_sd.decoding.costs import backend_dtype
 from hetero_sd.decoding.lanes import Lane, Lanes
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
@@ -114,6 +114,7 @@ class Runtime:
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
+        self.costs_rechecked = False
         self.target_lane = Lane("target", target.device)
         self.draft_lane = Lane("draft", draft.device if draft else target.device)
         self.slots = Slots(target, draft, self.target_lane, self.draft_lane)
@@ -215,6 +216,17 @@ class Runtime:
             stats.close()
             if isinstance(policy, AutoBlock):
                 stats.controller = policy.finish()
+                self.recheck_costs(policy.memory, stats)
+
+    def recheck_costs(self, memory: Memory, stats: Stats) -> None:
+        """Once per runtime: cached costs that the plain steps keep contradicting are dropped, announced."""
+        with self.memory_lock:
+            with memory.lock:
+                if self.costs_rechecked or "cost_key" not in self.info or not memory.cost.stale():
+                    return
+                factor = memory.cost.plain_factor
+            self.costs_rechecked = True
+        stats.notes.append(forget_costs(self.info["cost_key"], factor))
 
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
                  **kwargs) -> Generation:

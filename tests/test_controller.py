@@ -136,6 +136,44 @@ def test_cost_cache_hits_and_is_invalidated_by_what_it_is_keyed_on(tiny_llama, t
     assert len(calls) == 2  # a fixed block needs no costs
 
 
+def test_costs_cached_under_load_are_corrected_then_dropped(tiny_llama, tmp_path, monkeypatch):
+    """Costs measured while something else ran (here: 50x too slow) must not mislead the controller for
+    good: the plain factor converges past the per-observation clip, and once enough plain steps agree
+    the cache entry is dropped, announced, and measured again at the next load."""
+    from hetero_sd.decoding import cost_cache
+
+    monkeypatch.setenv("HETERO_SD_HOME", str(tmp_path))
+    calls = []
+    real = cost_cache.measure_costs
+
+    def under_load(*a, **k):
+        calls.append(1)
+        c = real(*a, **k)
+        return Costs(decode_s=50 * c.decode_s, verify_s={k: 50 * v for k, v in c.verify_s.items()},
+                     draft_s={k: 50 * v for k, v in c.draft_s.items()})
+    monkeypatch.setattr(cost_cache, "measure_costs", under_load)
+    rt = hetero_sd.load(str(tiny_llama), "random:1")
+    out = rt.generate([5, 9, 12], max_new_tokens=80)
+    assert rt.memory.cost.plain_factor < 0.1  # converged towards 1/50, far past the clip's 0.5
+    assert any("cached step costs were off" in n for n in out.stats.notes)
+    assert not list((tmp_path / "costs").glob("*.json"))
+    again = rt.generate([5, 9, 12], max_new_tokens=80)
+    assert not any("cached step costs" in n for n in again.stats.notes)  # once per runtime
+    hetero_sd.load(str(tiny_llama), "random:1")
+    assert len(calls) == 2
+
+
+def test_costs_that_match_the_machine_stay_cached():
+    from hetero_sd.decoding.controller import CostModel
+    model = CostModel(cpu_like_costs())
+    for n in range(CostModel.STALE_AFTER + 5):
+        model.observe(PLAIN, (1.2 if n % 2 else 0.9) * DECODE)  # noise around the measured cost
+    assert not model.stale()
+    for _ in range(40):
+        model.observe(PLAIN, 0.3 * DECODE)
+    assert model.plain_factor == pytest.approx(0.3, rel=0.05) and model.stale()
+
+
 # --- lossless at every switch ----------------------------------------------------------------------------
 def stretches(position: int) -> bool:
     """Right on positions [40, 70) and [100, 130) of the sequence, wrong elsewhere."""

@@ -71,9 +71,12 @@ class CostModel:
     learn: bool = True  # False: the measured costs as they are (tests and replays)
     modelled: dict[int, float] = field(default_factory=dict, repr=False)
     ALPHA = 0.2
-    CLIP = (0.5, 2.0)  # one observation moves a factor at most this far: a page fault or a stall elsewhere
-    #                    on the machine is not the step's cost
+    CLIP = (0.5, 2.0)  # one observation moves a factor at most this far from where it is: a page fault
+    #                    or a stall elsewhere is not the step's cost, but repeated ones move it anywhere
     SHARED = 0.05  # what moves one kind's factor pulls the other's along (a busier machine slows both)
+    STALE = (2 / 3, 1.5)  # a plain factor settled outside this range: the measured costs are not this
+    STALE_AFTER = 32  # machine's now (measured under load, or the machine changed); plain steps seen
+    plain_seen: int = 0
 
     def step(self, size: int) -> float:
         if size == PLAIN:
@@ -93,17 +96,24 @@ class CostModel:
     def observe(self, size: int, seconds: float) -> None:
         if not self.learn:
             return
-        low, high = self.CLIP
         if size == PLAIN:
-            ratio = min(max(seconds / self.costs.decode_s, low), high)
-            self.plain_factor += self.ALPHA * (ratio - self.plain_factor)
+            self.plain_seen += 1
+            self.plain_factor = self.moved(self.plain_factor, seconds / self.costs.decode_s)
             # a kind not chosen any more is never observed again: without this pull a stale, high
             # estimate (a stall while it ran) would keep the controller away from it for good
             self.spec_factor += self.SHARED * (self.plain_factor - self.spec_factor)
         else:
-            ratio = min(max(seconds / self.model(size), low), high)
-            self.spec_factor += self.ALPHA * (ratio - self.spec_factor)
+            self.spec_factor = self.moved(self.spec_factor, seconds / self.model(size))
             self.plain_factor += self.SHARED * (self.spec_factor - self.plain_factor)
+
+    def moved(self, factor: float, ratio: float) -> float:
+        low, high = self.CLIP  # relative to the factor, not to 1: costs cached under load converge too
+        return factor + self.ALPHA * (min(max(ratio, low * factor), high * factor) - factor)
+
+    def stale(self) -> bool:
+        """Whether enough plain steps have shown that the measured costs are off for this machine now."""
+        low, high = self.STALE
+        return self.plain_seen >= self.STALE_AFTER and not low <= self.plain_factor <= high
 
     def to_dict(self) -> dict:
         return {**self.costs.to_json(), "spec_factor": round(self.spec_factor, 3),

@@ -80,3 +80,15 @@ def costs_for(target, draft, key: dict, notes: list[str]) -> Costs:
     except OSError as e:  # a read-only home: the costs still apply to this runtime
         notes.append(f"step costs measured but not cached ({e}); they will be measured again next time")
     return costs
+
+
+def forget(key: dict, plain_factor: float) -> str:
+    """Drop cached costs that this machine's plain steps keep contradicting (measured while something
+    else ran, or the machine changed under the same key); the next load measures them again."""
+    path = cost_path(key)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        return f"cached step costs are off (plain steps take {plain_factor:.2f}x) but could not be dropped: {e}"
+    return (f"cached step costs were off for this machine now (plain steps took {plain_factor:.2f}x the cached "
+            f"decode step; measured under load?): corrected for this run, measured again at the next load")
