@@ -16,6 +16,9 @@ from .base import DraftBackend, TargetBackend
 from .shadow import ShadowedDraft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Not a torch dtype: a float32 CPU target whose decode/verify rows are quantized to int8 into integer dot
+# products with its GGUF blocks (llama.cpp's numerics; torch_backend/quant8.py). Another target.
+INT8 = "int8"
 NEURAL_ENGINE = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")
 
 
@@ -25,13 +28,14 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}, or {INT8} for the target")
     return DTYPES[dtype]
 
 
 def draft_dtype_for(draft_dtype, target_dtype, device: str) -> torch.dtype:
     if draft_dtype is not None:
         return resolve_dtype(draft_dtype, device)
+    target_dtype = torch.float32 if target_dtype == INT8 else target_dtype
     return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device))
 
 
@@ -56,10 +60,16 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
     if device == "mlx":
         from . import mlx_backend
         return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
+    activations = "float32"
+    if dtype == INT8:
+        if device != "cpu":
+            raise ConfigError(f"--dtype {INT8} is a CPU target (integer dot products with GGUF blocks), not {device}",
+                              "use --target-device cpu, or another --dtype")
+        activations, dtype = INT8, torch.float32
     dtype = resolve_dtype(dtype, device)
     if device == "cpu" and dtype != torch.float32 and notes is not None:
         notes.append(target_dtype_note(dtype))
-    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context)
+    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context, activations)
     if notes is not None:
         notes += target.notes
     return target

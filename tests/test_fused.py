@@ -51,6 +51,22 @@ def test_rope_and_cache_write_match_the_torch_layer(ext):
     assert not kc[:, :, :start].any() and not kc[:, :, start + steps:].any()  # nothing else written
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim):
+    if not (ext.has_attend and {"avx2", "fma"} <= fused.cpu_flags()):
+        pytest.skip("the attention kernel needs x86-64 with AVX2 and FMA")
+    torch.manual_seed(2)
+    nh, nkv, cap, start, steps = 6, 2, 64, 37, 9
+    kc, vc, q = torch.randn(1, nkv, cap, dim), torch.randn(1, nkv, cap, dim), torch.randn(1, nh, steps, dim)
+    mask = torch.arange(start + steps)[None, :] <= torch.arange(steps)[:, None] + start
+    want = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :start + steps], vc[:, :, :start + steps],
+                                                            attn_mask=mask, enable_gqa=True)
+    got = ext.attend(q, kc, vc, start)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, steps, nh * dim), rtol=1e-5, atol=1e-6)
+    for t in range(steps):  # a decode step at position start+t gives the verify block's row bit for bit
+        assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t), got[:, t:t + 1])
+
+
 def test_fused_target_is_the_torch_op_target(tiny_llama, monkeypatch, ext):
     prompt = [5, 9, 12, 20, 7, 33, 2, 14]
     fast = hetero_sd.load(str(tiny_llama), "random:1", block_size=4)

@@ -169,3 +169,15 @@ def test_quantized_logits_within_the_parity_tolerance(both):
         decode = t.forward(ids[-1:], features=False).logits  # 1 row: the decode kernel
         outs.append(torch.cat([prefill[None], verify, decode]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_decode_and_verify_rows_are_bitwise_the_same_through_the_default_target(both):
+    """Not only each kernel: the whole target (fused ops, attention, GGUF blocks) gives a position the same
+    logits in a verify block as in a decode step, so DFlash on it cannot differ from plain decoding."""
+    t = both[0].target.fork()
+    ids = both[0].tokenizer.encode(PROMPTS[1] + " " + PROMPTS[0])
+    t.forward(ids[:-8], features=False)
+    block = t.forward(ids[-8:], features=False).logits
+    t.crop(len(ids) - 8)
+    assert torch.equal(block, torch.cat([t.forward([i], features=False).logits for i in ids[-8:]]))

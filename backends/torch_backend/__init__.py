@@ -31,8 +31,8 @@ def default_draft_dtype(device: str, target_dtype: torch.dtype) -> torch.dtype:
 
 
 def load_target(folder: Path, cfg: ArchConfig, device: str, dtype: torch.dtype, layer_ids=(),
-                max_context: int | None = None) -> TorchTarget:
-    return TorchTarget(cfg, load_weights(folder), folder, device, dtype, layer_ids, max_context)
+                max_context: int | None = None, activations: str = "float32") -> TorchTarget:
+    return TorchTarget(cfg, load_weights(folder), folder, device, dtype, layer_ids, max_context, activations)
 
 
 def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str, dtype: torch.dtype,

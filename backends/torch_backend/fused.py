@@ -20,13 +20,18 @@ import os
 
 import torch
 
+from .cpu import cpu_flags
 from .gemm import KernelUnavailable, build
 from .layers import linear
 
 SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 // y = w * (x * 1/sqrt(mean(x^2) + eps)) for one row of H floats (sum in double: order fixed, accurate)
 static inline void norm_row(const float* x, const float* w, double eps, int64_t H, float* y) {
@@ -110,7 +115,106 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 
+
+#if defined(__x86_64__)
+// ---- causal attention, one query row at a time (decode and verify agree bit for bit) ----
+// torch's SDPA sums in a different order for one query row than for a block of rows, and int8 rows
+// (quant8.py) turn that 1e-6 into different codes. Here each (row, head) is computed alone, in the same
+// order whatever the number of rows: scores q.k_j in 8-lane sums reduced in a fixed tree, exp by one
+// polynomial, sum and weighted values accumulated over j in order. AVX2 (on AVX-512 CPUs too).
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+// e^x for x <= 0 (Cephes expf: ~1 ulp), 8 lanes
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128
+template <int D>  // a compile-time head size: q and the accumulators then live in registers
+__attribute__((target("avx2,fma"))) static void attend_row(const float* q, const float* kc, const float* vc,
+                                                          int64_t n, float scale, float* s, float* o) {
+  __m256 qv[D / 8];
+  for (int64_t d = 0; d < D; d += 8) qv[d / 8] = _mm256_loadu_ps(q + d);
+  // 8 keys at a time: 8 independent sums (no chain of dependent FMAs), reduced by one transposing tree,
+  // ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) for every key wherever it sits in its group of 8
+  float mx = -INFINITY;
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) {
+      const float* k = kc + std::min(j0 + u, n - 1) * D;  // past the last key: any key (masked below)
+      a[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+      for (int64_t d = 8; d < D; d += 8) a[u] = _mm256_fmadd_ps(qv[d / 8], _mm256_loadu_ps(k + d), a[u]);
+    }
+    __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 h0 = _mm256_hadd_ps(h01, h23), h4 = _mm256_hadd_ps(h45, h67);
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0, h4, 0x20), _mm256_permute2f128_ps(h0, h4, 0x31));
+    _mm256_storeu_ps(s + j0, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+    for (int64_t j = j0; j < std::min(j0 + 8, n); ++j) mx = std::max(mx, s[j]);
+  }
+  int64_t n8 = n / 8 * 8;
+  for (int64_t j = n; j < n8 + 8; ++j) s[j] = -INFINITY;  // the group's keys past the last: e^-inf = 0
+  __m256 sum = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  __m256 acc[D / 8];
+  for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_set1_ps(s[j]);
+    const float* v = vc + j * D;
+    for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), acc[d / 8]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(acc[d / 8], inv));
+}
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_t start) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
+  const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
+  auto o = torch::empty({1, T, nh * D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)D);
+  at::parallel_for(0, T * nh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(start + T + 16);
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t t = i / nh, h = i % nh, g = h / (nh / nkv);
+      (D == 64 ? attend_row<64> : attend_row<128>)(qp + (h * T + t) * D, kp + g * cap * D, vp + g * cap * D,
+                                                   start + t + 1, scale, s.data(), op + t * nh * D + h * D);
+    }
+  });
+  return o;
+}
+#define HAS_ATTEND true
+#else
+torch::Tensor attend(torch::Tensor q, torch::Tensor, torch::Tensor, int64_t) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
+#define HAS_ATTEND false
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend);
+  m.attr("has_attend") = HAS_ATTEND;
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_qkv", &rope_qkv);
@@ -149,14 +253,18 @@ def forward_layers(target, h: torch.Tensor, start: int, cos, sin, mask, features
     hidden state [1, T, H], the hidden states captured at the target's feature layers)."""
     ext, cfg, eps = extension(), target.config, target.config.rms_norm_eps
     nh, nkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, target.layers
+    attend = ext.has_attend and cfg.head_dim in (64, 128) and {"avx2", "fma"} <= cpu_flags()
     x = ext.rms_norm(h, layers[0].in_norm, eps)
     captured = []
     for i, layer in enumerate(layers):
         q, keys, values = ext.rope_qkv(linear(x, layer.mm_qkv), cos, sin, target.cache.k[i],
                                        target.cache.v[i], start, nh, nkv)
-        o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != nh)
-        h, x = ext.add_rms_norm(h, linear(o.transpose(1, 2).reshape(1, -1, layer.nq), layer.mm_o),
-                                layer.post_norm, eps)
+        if attend:  # causal, row by row: the same bits alone or in a verify block
+            o = ext.attend(q, target.cache.k[i], target.cache.v[i], start)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                                 enable_gqa=nkv != nh).transpose(1, 2)
+        h, x = ext.add_rms_norm(h, linear(o.reshape(1, -1, layer.nq), layer.mm_o), layer.post_norm, eps)
         mlp = linear(ext.silu_mul(linear(x, layer.mm_gate_up)), layer.mm_down)
         # the next layer's input norm, or the final norm after the last layer
         h, x = ext.add_rms_norm(h, mlp, layers[i + 1].in_norm if i + 1 < len(layers) else target.norm, eps)

@@ -308,13 +308,20 @@ class Quantized:
         flat = x.reshape(-1, self.k)
         rows = flat if flat.is_contiguous() else flat.contiguous()
         if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it for torch.profiler
-            with torch.profiler.record_function(f"hetero_sd::qgemm_{self.kind}"):
-                y = self.ext.qgemm(rows, self.packed, self.kind == Q4_1, self.avx512)
+            with torch.profiler.record_function(f"hetero_sd::{self.label}_{self.kind}"):
+                y = self.multiply(rows)
         else:
-            y = self.ext.qgemm(rows, self.packed, self.kind == Q4_1, self.avx512)
+            y = self.multiply(rows)
         if y.shape[1] != self.n:
             y = y[:, :self.n]
         return y.reshape(*x.shape[:-1], self.n)
+
+    label = "qgemm"
+    suffix = ""  # what the weights' name adds: these numerics are the float32 target's
+    how = f"dequantized in registers to bitwise the float32 weights ({isa()} kernel)"
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.ext.qgemm(rows, self.packed, self.kind == Q4_1, self.avx512)
 
     @property
     def nbytes(self) -> int:
@@ -416,10 +423,12 @@ def gguf_rows(path, cfg) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
-def attach(target, gguf) -> str | None:
+def attach(target, gguf, kernel=None) -> str | None:
     """Give a float32 CPU target's linear layers and lm_head the quantized kernel where its GGUF holds
     Q4_1/Q8_0 blocks that dequantize bitwise to its float32 weights. Returns the weights' name for stats,
-    or None (float32 throughout), with the reason in target.notes where one is worth announcing."""
+    or None (float32 throughout), with the reason in target.notes where one is worth announcing.
+    kernel: Quantized (the float32 target), or quant8.Int8Blocks (rows quantized to int8: another target)."""
+    kernel = kernel or Quantized
     if gguf is None or target.device != "cpu" or target.dtype != torch.float32:
         return None
     if not enabled():
@@ -442,7 +451,7 @@ def attach(target, gguf) -> str | None:
             plan.append((target, "mm_head", head[0], head[1], target.lm_head))
         if not plan:
             return None
-        made = [(owner, attr, Quantized(kind, r, getattr(owner, attr), w)) for owner, attr, kind, r, w in plan]
+        made = [(owner, attr, kernel(kind, r, getattr(owner, attr), w)) for owner, attr, kind, r, w in plan]
     except (KernelUnavailable, ValueError, OSError, KeyError) as e:
         target.notes.append(f"{NOTE}: float32 (the GGUF's Q4_1/Q8_0 blocks are not used: {e})")
         return None
@@ -450,10 +459,9 @@ def attach(target, gguf) -> str | None:
         setattr(owner, attr, q)
     kinds = "/".join(sorted({q.kind for _, _, q in made}))
     total = sum(w.numel() for *_, w in plan)
-    weights = f"{kinds} blocks from the GGUF"
+    weights = f"{kinds} blocks from the GGUF" + made[0][2].suffix
     target.notes.append(
         f"{NOTE}: {weights}: decode and verify steps (1-{MAX_ROWS} rows) multiply {len(made)} of the target's "
         f"matrices by their GGUF blocks ({sum(q.nbytes for _, _, q in made) / 1e6:.0f} MB instead of "
-        f"{total * 4 / 1e6:.0f} MB of float32), dequantized in registers to bitwise the float32 weights "
-        f"({isa()} kernel); prefill uses the float32 copy")
+        f"{total * 4 / 1e6:.0f} MB of float32), {made[0][2].how}; prefill uses the float32 copy")
     return weights

@@ -10,20 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from hetero_sd.models.config import ArchConfig
-from hetero_sd.errors import PromptTooLongError
+from hetero_sd.errors import ConfigError, PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
 from . import fused
 from .gemm import Packed
 from .quant import Quantized, attach as attach_quantized
+from .quant8 import Int8Blocks
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
 class TorchTarget(CacheOwner, TargetBackend):
     def __init__(self, cfg: ArchConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
-                 layer_ids: Sequence[int] = (), max_context: int | None = None):
+                 layer_ids: Sequence[int] = (), max_context: int | None = None, activations: str = "float32"):
         self.config, self.device, self.dtype = cfg, device, dtype
+        self.numerics = activations if activations != "float32" else dtype_name(dtype)  # e.g. "int8"
         self.layer_ids = list(layer_ids)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         h, v = cfg.hidden_size, cfg.vocab_size
@@ -36,7 +38,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.layers = [DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
                        for i in range(cfg.num_hidden_layers)]
         # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
-        self.weight_format = attach_quantized(self, converted_from(where)) or dtype_name(dtype)
+        self.weight_format = self.attach_blocks(converted_from(where), activations) or dtype_name(dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
         self.fused, why_not = fused.fusable(self)  # a layer in ~12 calls instead of ~50 (fused.py)
@@ -44,6 +46,21 @@ class TorchTarget(CacheOwner, TargetBackend):
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         self.mode = ", ".join(named) or self.weight_format
+
+    def attach_blocks(self, gguf, activations: str) -> str | None:
+        """The GGUF's blocks as the decode/verify multipliers (quant.py); int8 rows (quant8.py) only on request,
+        and then never silently without them."""
+        if activations == "float32":
+            return attach_quantized(self, gguf)
+        if gguf is None or self.device != "cpu" or self.dtype != torch.float32:
+            raise ConfigError(f"--dtype {activations} needs a CPU target converted from a Q4_1/Q8_0 GGUF",
+                              "use the embedded default target (--target default), or --dtype float32")
+        before = len(self.notes)
+        weights = attach_quantized(self, gguf, Int8Blocks)
+        if weights is None:
+            raise ConfigError(f"--dtype {activations}: {'; '.join(self.notes[before:]) or 'no GGUF blocks'}",
+                              "use --dtype float32")
+        return weights
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,

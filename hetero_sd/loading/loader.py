@@ -58,7 +58,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
         t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
-        info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+        info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
         info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
         return Loaded(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, target_folder=folder)
 
@@ -72,7 +72,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     if isinstance(block_size, int):
         dcfg.block_size = int(block_size)
     t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
-    info["target_dtype"] = dtype_name(getattr(t, "dtype", None))
+    info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
     info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
                       tensors, info["notes"])

@@ -1,0 +1,260 @@
+"""x @ W^T with W as GGUF Q4_1 / Q8_0 blocks and x quantized to int8 per block of 32 (llama.cpp's Q8_1):
+integer dot products (AVX512-VNNI vpdpbusd, or AVX2 vpmaddubsw) instead of dequantizing every weight to
+float32. A DIFFERENT TARGET from the float32 one (quant.py): x is rounded to 8 bits, so logits move by
+~1e-2, not 1e-4; it runs only on request (`--dtype int8`), and its baseline runs the same numerics.
+
+Why it is still a deterministic function of each row (what lossless needs): a row's int8 codes, scale
+and code sum come from that row alone; integer sums are exact in any order; the float epilogue per block
+and output lane is the same three operations whatever the number of rows or the ISA:
+    y += float(sum q_w*q_x) * (d_w * d_x)  [+ m_w * (d_x * sum q_x) for Q4_1]
+so a row gives bitwise the same result alone, in a verify block, with AVX-512 or AVX2.
+
+Layout (packed once at load): output columns in tiles of NB (AVX-512: 16, AVX2: 8); per tile and block,
+NB fp16 scales (and NB fp16 mins for Q4_1), then groups of NB x 4 bytes: column j's 4 consecutive bytes,
+so that one 32-bit lane holds 4 inputs of one column, which is what vpdpbusd / vpmaddubsw+vpmaddwd sum.
+Q4_1 byte p holds inputs p (low nibble) and p+16 (high); Q8_0 bytes are stored +128 (unsigned for
+vpdpbusd; the kernel subtracts 128 * sum q_x) or, on AVX2, as |q| with the sign moved onto x
+(vpmaddubsw saturates at 2^15: 255*127*2 would not fit, 127*127*2 does)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .cpu import cpu_flags
+from .gemm import KernelUnavailable, build
+from .quant import BLOCK_BYTES, MAX_ROWS, Q4_1, Q8_0, Quantized
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+// int8 codes per block of 32, as llama.cpp's quantize_row_q8_1: d = amax/127, q = x*(1/d) rounded to
+// nearest even (the vector conversion's rounding; the same on both ISAs), and the block's code sum
+__attribute__((target("avx512f"))) static void codes512(const float* v, float id, int32_t* c) {
+  for (int h = 0; h < 32; h += 16)
+    _mm512_storeu_si512(c + h, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + h), _mm512_set1_ps(id))));
+}
+
+__attribute__((target("avx2"))) static void codes256(const float* v, float id, int32_t* c) {
+  for (int h = 0; h < 32; h += 8)
+    _mm256_storeu_si256((__m256i*)(c + h), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + h), _mm256_set1_ps(id))));
+}
+
+static void quantize_block(const float* v, int8_t* q, float* dx, float* ms, int32_t* sq, bool avx512) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  int32_t c[32];
+  (avx512 ? codes512 : codes256)(v, id, c);
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) { q[i] = (int8_t)c[i]; s += c[i]; }
+  *dx = d; *sq = s; *ms = d * (float)s;
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dx, float* ms, int32_t* sq, bool avx512) {
+  int64_t KB = K / 32;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < KB; ++b) {
+      int64_t i = r * KB + b;
+      quantize_block(x + r * K + b * 32, q + r * K + b * 32, dx + i, ms + i, sq + i, avx512);
+    }
+}
+
+struct Rows { const int8_t* q; const float* dx; const float* ms; const int32_t* sq; int64_t K, KB; };
+
+template <int R, bool Q41>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(Rows x, const uint8_t* w, float* y, int64_t ldy) {
+  constexpr int NB = 16, BB = (Q41 ? 20 : 34) * NB, HEAD = (Q41 ? 4 : 2) * NB;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < x.KB; ++b) {
+    const uint8_t* blk = w + b * BB;
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int g = 0; g < (Q41 ? 4 : 8); ++g) {
+      __m512i wv = _mm512_loadu_si512((const void*)(blk + HEAD + g * 64));
+      if (Q41) {
+        __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + r * x.K + b * 32;
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(*(const int32_t*)(q + 4 * g)));
+          s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(*(const int32_t*)(q + 16 + 4 * g)));
+        }
+      } else {
+        for (int r = 0; r < R; ++r)
+          s[r] = _mm512_dpbusd_epi32(s[r], wv, _mm512_set1_epi32(*(const int32_t*)(x.q + r * x.K + b * 32 + 4 * g)));
+      }
+    }
+    const __m512 m = Q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB))) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      int64_t i = r * x.KB + b;
+      if (!Q41) s[r] = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * x.sq[i]));  // the +128 of the stored bytes
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i])), acc[r]);
+      if (Q41) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.ms[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int R, bool Q41>
+__attribute__((target("avx2,fma,f16c"))) static void tile256(Rows x, const uint8_t* w, float* y, int64_t ldy) {
+  constexpr int NB = 8, BB = (Q41 ? 20 : 34) * NB, HEAD = (Q41 ? 4 : 2) * NB;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < x.KB; ++b) {
+    const uint8_t* blk = w + b * BB;
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int g = 0; g < (Q41 ? 4 : 8); ++g) {
+      __m256i wv = _mm256_loadu_si256((const __m256i*)(blk + HEAD + g * 32));
+      if (Q41) {
+        __m256i lo = _mm256_and_si256(wv, low), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + r * x.K + b * 32;
+          __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t*)(q + 4 * g)));
+          __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t*)(q + 16 + 4 * g)));
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));  // |a+c| <= 4*15*127
+        }
+      } else {  // stored as |q| (unsigned) with the sign moved onto x: vpmaddubsw then cannot saturate
+        __m256i mag = _mm256_abs_epi8(wv);
+        for (int r = 0; r < R; ++r) {
+          __m256i xv = _mm256_set1_epi32(*(const int32_t*)(x.q + r * x.K + b * 32 + 4 * g));
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, wv)), ones));
+        }
+      }
+    }
+    const __m256 m = Q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB))) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      int64_t i = r * x.KB + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[i])), acc[r]);
+      if (Q41) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+using Tile = void (*)(Rows, const uint8_t*, float*, int64_t);
+
+template <bool Q41> static Tile pick(bool avx512, int r) {
+  if (avx512) switch (r) { case 1: return tile512<1, Q41>; case 2: return tile512<2, Q41>; case 3: return tile512<3, Q41>;
+                           case 4: return tile512<4, Q41>; case 5: return tile512<5, Q41>; case 6: return tile512<6, Q41>;
+                           case 7: return tile512<7, Q41>; default: return tile512<8, Q41>; }
+  switch (r) { case 1: return tile256<1, Q41>; case 2: return tile256<2, Q41>; case 3: return tile256<3, Q41>; default: return tile256<4, Q41>; }
+}
+
+// x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
+torch::Tensor qgemm8(torch::Tensor x, torch::Tensor packed, bool q41, bool avx512) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2, "qgemm8: contiguous float32 rows");
+  int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), KB = packed.size(1), nb = avx512 ? 16 : 8;
+  TORCH_CHECK(KB * 32 == K && packed.size(2) == (q41 ? 20 : 34) * nb, "qgemm8: packed weight does not fit x or this ISA");
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  auto dx = torch::empty({M, KB}, x.options()), ms = torch::empty({M, KB}, x.options());
+  auto sq = torch::empty({M, KB}, x.options().dtype(torch::kInt));
+  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), dx.data_ptr<float>(), ms.data_ptr<float>(), sq.data_ptr<int32_t>(), avx512);
+  auto y = torch::empty({M, tiles * nb}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>(); float* yp = y.data_ptr<float>();
+  int64_t ldy = tiles * nb, rows_max = avx512 ? 8 : 4, stride = packed.size(1) * packed.size(2);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
+        int r = (int)std::min(rows_max, M - r0);
+        Rows rows{q.data_ptr<int8_t>() + r0 * K, dx.data_ptr<float>() + r0 * KB, ms.data_ptr<float>() + r0 * KB,
+                  sq.data_ptr<int32_t>() + r0 * KB, K, KB};
+        (q41 ? pick<true>(avx512, r) : pick<false>(avx512, r))(rows, wp + t * stride, yp + r0 * ldy + t * nb, ldy);
+      }
+  });
+  return y;
+}
+
+// GGUF rows [N][K/32 blocks] -> [tiles][K/32][scales (, mins), NB x 4-byte groups]; Q8_0 bytes +128 for
+// VNNI (avx512) or kept signed for AVX2's |q| and sign
+torch::Tensor pack8(torch::Tensor rows, bool q41, int64_t nb, bool plus128) {
+  TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == torch::kByte && rows.dim() == 2, "pack8: GGUF rows");
+  int64_t bb = q41 ? 20 : 34, head = q41 ? 4 : 2, N = rows.size(0), KB = rows.size(1) / bb, tiles = (N + nb - 1) / nb;
+  TORCH_CHECK(KB * bb == rows.size(1), "pack8: rows are not whole blocks");
+  auto out = torch::zeros({tiles, KB, bb * nb}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>(); uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < KB; ++b) {
+        uint8_t* o = dst + (t * KB + b) * bb * nb;
+        for (int64_t j = 0; j < nb; ++j) {
+          bool real = t * nb + j < N;
+          const uint8_t* blk = src + (t * nb + j) * KB * bb + b * bb;
+          for (int64_t h = 0; h < head; h += 2)
+            for (int e = 0; e < 2; ++e) o[h / 2 * 2 * nb + 2 * j + e] = real ? blk[h + e] : 0;
+          for (int64_t p = 0; p < bb - head; ++p) {
+            uint8_t v = real ? blk[head + p] : 0;
+            if (!q41 && plus128) v ^= 0x80;  // a padding column becomes 0x80: code 0
+            o[head * nb + (p / 4) * nb * 4 + j * 4 + p % 4] = v;
+          }
+        }
+      }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm8", &qgemm8);
+  m.def("pack8", &pack8);
+}
+"""
+
+NAME = "int8"  # what --dtype asks for, and how stats and bench name these numerics
+
+
+def isa() -> str | None:
+    """'avx512' (with BW and VNNI), 'avx2' (with FMA and F16C), or None. HETERO_SD_QUANT_ISA=avx2 forces
+    the AVX2 kernel (tests compare both on an AVX-512 machine)."""
+    import os
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512_vnni", "f16c"} <= flags and os.environ.get("HETERO_SD_QUANT_ISA") != "avx2":
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return None
+
+
+@functools.cache
+def extension():
+    if isa() is None:
+        raise KernelUnavailable("this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C")
+    return build("hetero_sd_quant8", SOURCE)
+
+
+class Int8Blocks(Quantized):
+    """A weight [in, out] as GGUF blocks, multiplied with int8-quantized rows of x (1..MAX_ROWS rows;
+    longer inputs go to `fallback`, as for Quantized)."""
+
+    def __init__(self, kind: str, rows: np.ndarray, fallback, weight_t: torch.Tensor | None = None):
+        if kind not in BLOCK_BYTES:
+            raise KernelUnavailable(f"{kind} blocks have no int8 kernel here (only Q4_1 and Q8_0)")
+        self.ext, self.avx512 = extension(), isa() == "avx512"
+        self.kind, self.fallback = kind, fallback
+        self.n, self.k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * 32
+        rows = torch.from_numpy(np.array(rows)) if isinstance(rows, np.ndarray) else rows.contiguous()
+        self.packed = self.ext.pack8(rows, kind == Q4_1, 16 if self.avx512 else 8, self.avx512)
+
+    label = "qgemm8"
+    suffix = " x int8 rows"
+    how = (f"times rows quantized to int8 per 32 inputs (llama.cpp's Q8_1), in integer dot products "
+           f"({isa()} kernel): a different target from the float32 one")
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.ext.qgemm8(rows, self.packed, self.kind == Q4_1, self.avx512)
+
+
+__all__ = ["Int8Blocks", "NAME", "MAX_ROWS", "Q8_0", "isa", "extension"]

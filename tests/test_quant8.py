@@ -1,0 +1,97 @@
+"""The int8-row kernel (backends/torch_backend/quant8.py, `--dtype int8`): x is quantized per block of 32
+to int8 as llama.cpp's Q8_1 (round to nearest even) and multiplied by the GGUF blocks in integer dot
+products. It equals a float64 matmul of those quantized rows and the dequantized blocks within float32
+rounding; a row gives bitwise the same result alone or in any block of rows, on either ISA; and the
+int8 default target decodes losslessly with DFlash (its own baseline), said in stats and notes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero_sd
+from hetero_sd.backends.torch_backend import quant, quant8
+from hetero_sd.backends.torch_backend.cpu import cpu_flags
+from hetero_sd.errors import ConfigError
+
+from .test_quant import ROWS, random_rows
+
+pytestmark = pytest.mark.skipif(quant8.isa() is None, reason="no AVX512-VNNI nor AVX2+FMA+F16C on this CPU")
+
+ISAS = ["avx2"] + (["avx512"] if {"avx512bw", "avx512_vnni"} <= cpu_flags() else [])
+
+
+@pytest.fixture
+def on_isa(monkeypatch):
+    def use(name):
+        monkeypatch.setenv("HETERO_SD_QUANT_ISA", name)
+        assert quant8.isa() == name
+    return use
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: d = amax/127 per 32 inputs, codes x * (1/d) rounded to nearest even."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind,n,k", [(quant.Q4_1, 77, 576), (quant.Q4_1, 33, 1536), (quant.Q8_0, 131, 64)])
+def test_kernel_is_the_matmul_of_int8_rows_and_the_blocks(on_isa, isa, kind, n, k):
+    on_isa(isa)
+    rows = random_rows(kind, n, k)
+    q = quant8.Int8Blocks(kind, rows, None)
+    w = quant.dequantize(kind, rows).double()
+    torch.manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, k) * 2
+        exact = int8_rows(x).double() @ w.t()
+        assert (q(x).double() - exact).abs().max() <= 1e-5 * exact.abs().max(), m
+        # and it is another function than the float32 target's: the rows were rounded to 8 bits
+        assert (q(x).double() - x.double() @ w.t()).abs().max() > 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", [quant.Q4_1, quant.Q8_0])
+def test_a_row_is_bitwise_the_same_in_any_block_and_on_either_isa(on_isa, isa, kind):
+    rows = random_rows(kind, 45, 576, seed=2)
+    x = torch.randn(64, 576)
+    on_isa(isa)
+    q = quant8.Int8Blocks(kind, rows, None)
+    full = q(x)
+    for r in range(64):
+        assert torch.equal(q(x[r:r + 1]), full[r:r + 1])
+    for m in ROWS:
+        assert torch.equal(q(x[:m]), full[:m])
+    on_isa("avx2")
+    assert torch.equal(quant8.Int8Blocks(kind, rows, None)(x[:9]), full[:9])
+
+
+def test_int8_needs_a_cpu_target_from_a_gguf(tiny_llama):
+    with pytest.raises(ConfigError, match="converted from a Q4_1/Q8_0 GGUF"):
+        hetero_sd.load(str(tiny_llama), None, dtype="int8")
+    with pytest.raises(ConfigError, match="unknown dtype 'int4'"):
+        hetero_sd.load(str(tiny_llama), None, dtype="int4")
+
+
+@pytest.mark.slow
+def test_int8_default_target_is_named_and_dflash_on_it_is_lossless(default_folder):
+    rt = hetero_sd.load("default", "cpu-trained", dtype="int8", block_size=16)
+    assert rt.info["target_dtype"] == "int8" and rt.info["target_weights"].endswith("x int8 rows")
+    assert any("a different target from the float32 one" in n for n in rt.notes)
+    assert isinstance(rt.target.mm_head, quant8.Int8Blocks)
+    for prompt in ("Write a Python function that checks whether a number is prime.", "Explain what a hash table is."):
+        base = rt.generate(prompt, max_new_tokens=64, speculative=False)
+        out = rt.generate(prompt, max_new_tokens=64)
+        assert out.token_ids == base.token_ids and out.stats.target_dtype == "int8"
+    # decode and verify rows are bitwise the same through the whole target (the int8 codes would turn
+    # any difference upstream into a different token)
+    t = rt.target.fork()
+    ids = rt.tokenizer.encode("Explain what a hash table is, in two sentences.")
+    t.forward(ids[:-6], features=False)
+    block = t.forward(ids[-6:], features=False).logits
+    t.crop(len(ids) - 6)
+    rows = torch.cat([t.forward([i], features=False).logits for i in ids[-6:]])
+    assert torch.equal(block, rows)
