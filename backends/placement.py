@@ -83,7 +83,9 @@ def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend
         from . import mlx_backend
         return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
     if device not in NEURAL_ENGINE:
-        return torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+        draft = torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+        notes += draft.notes  # e.g. the head it multiplies, a kernel that did not build
+        return draft
     dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
     reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
     if device == "ane-sim":

@@ -69,6 +69,23 @@ def test_a_row_is_bitwise_the_same_in_any_block_and_on_either_isa(on_isa, isa, k
     assert torch.equal(quant8.Int8Blocks(kind, rows, None)(x[:9]), full[:9])
 
 
+@pytest.mark.skipif(not {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags(), reason="no AMX-INT8 on this CPU")
+@pytest.mark.parametrize("kind,n,k", [(quant.Q4_1, 77, 576), (quant.Q8_0, 40, 1536)])
+def test_amx_tiles_give_bitwise_what_vnni_gives(monkeypatch, kind, n, k):
+    """Verify blocks go through AMX tiles, decode rows through VNNI: the same integer sums and the same float
+    epilogue, so a position's logits cannot depend on which path its row took."""
+    rows = random_rows(kind, n, k, seed=5)
+    x = torch.randn(40, k)
+    monkeypatch.setenv("HETERO_SD_AMX_ROWS", "0")
+    vnni = quant8.Int8Blocks(kind, rows, None)
+    monkeypatch.setenv("HETERO_SD_AMX_ROWS", "2")
+    amx = quant8.Int8Blocks(kind, rows, None)
+    assert amx.ext.amx_ready()
+    for m in (2, 9, 16, 17, 40):
+        assert torch.equal(amx(x[:m]), vnni(x[:m]))
+    assert torch.equal(amx(x[:1]), vnni(x[:16])[:1])  # one row (VNNI) against its 16-row block (AMX)
+
+
 def test_int8_needs_a_cpu_target_from_a_gguf(tiny_llama):
     with pytest.raises(ConfigError, match="converted from a Q4_1/Q8_0 GGUF"):
         hetero_sd.load(str(tiny_llama), None, dtype="int8")

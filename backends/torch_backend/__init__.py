@@ -40,7 +40,12 @@ def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str,
     tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
     return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
-                      feature_size, mask_token_id, target.max_context, getattr(target, "mm_head", None))
+                      feature_size, mask_token_id, target.max_context, draft_head(target))
+
+
+def draft_head(target):
+    """The target's head as the draft should multiply it (TorchTarget.draft_head), or None (another backend)."""
+    return target.draft_head() if hasattr(target, "draft_head") else getattr(target, "mm_head", None)
 
 
 def as_torch(x) -> torch.Tensor:

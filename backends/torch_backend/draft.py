@@ -19,6 +19,7 @@ from ..base import DraftBackend, ModelWeights
 from .dflash2 import Selector, conv_layer, layer_convs
 from .gemm import Packed
 from .quant import Quantized
+from .quant8 import Int8Blocks
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
 
 
@@ -109,7 +110,8 @@ class TorchDraft(CacheOwner, DraftBackend):
             keys, values = write(k, v)
             h = layer.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
-        logits = output_logits(linear(self.last_hidden, self.mm_head), self.format).float()
+        rows = self.last_hidden.float() if isinstance(self.mm_head, Quantized) else self.last_hidden
+        logits = output_logits(linear(rows, self.mm_head), self.format).float()
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
 
 
@@ -165,6 +167,10 @@ def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
     A target head kept as GGUF blocks (quant.Quantized) serves a float32 draft too: bitwise the same
     weights, and its Q8_0 kernel multiplies 16 rows ~2x faster than the packed float32 head (one core of
     the Sapphire Rapids Xeon: 7.7 vs 15.8 ms). A bf16 draft keeps its own bf16 head (~3.8 ms there)."""
+    if isinstance(target_mm, Int8Blocks):  # any draft dtype (its rows go in as float32)
+        notes.append(f"draft head: the GGUF's {target_mm.kind} head blocks times int8 rows ({target_mm.nbytes / 1e6:.0f} MB "
+                     "read per block instead of a bf16 head's 2 bytes per weight; the target verifies every token)")
+        return target_mm
     fallback = target_mm.fallback if isinstance(target_mm, Quantized) else target_mm
     if isinstance(fallback, Packed) and fallback.source == Packed.identity(lm_head):
         return target_mm

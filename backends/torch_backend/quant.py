@@ -457,6 +457,7 @@ def attach(target, gguf, kernel=None) -> str | None:
         return None
     for owner, attr, q in made:
         setattr(owner, attr, q)
+    target.head_blocks = head  # (kind, rows): the draft's head can multiply them too (target.draft_head)
     kinds = "/".join(sorted({q.kind for _, _, q in made}))
     total = sum(w.numel() for *_, w in plan)
     weights = f"{kinds} blocks from the GGUF" + made[0][2].suffix

@@ -15,7 +15,7 @@ from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
 from . import fused
-from .gemm import Packed
+from .gemm import KernelUnavailable, Packed
 from .quant import Quantized, attach as attach_quantized
 from .quant8 import Int8Blocks
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
@@ -38,6 +38,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.layers = [DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
                        for i in range(cfg.num_hidden_layers)]
         # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
+        self.head_blocks, self.int8_head = None, None
         self.weight_format = self.attach_blocks(converted_from(where), activations) or dtype_name(dtype)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
@@ -61,6 +62,19 @@ class TorchTarget(CacheOwner, TargetBackend):
             raise ConfigError(f"--dtype {activations}: {'; '.join(self.notes[before:]) or 'no GGUF blocks'}",
                               "use --dtype float32")
         return weights
+
+    def draft_head(self):
+        """What a draft multiplies its block by: this target's head blocks times int8 rows when it has them
+        (a draft only proposes, so its logits need not have the target's numerics: at 16 rows that kernel
+        is ~2.5x the float32-exact one and reads half the bytes of a bf16 head), else the target's own."""
+        if self.head_blocks is None or isinstance(self.mm_head, Int8Blocks):
+            return self.mm_head
+        if self.int8_head is None:
+            try:
+                self.int8_head = Int8Blocks(*self.head_blocks, self.mm_head.fallback)
+            except KernelUnavailable:  # the target's own head then; nothing the user chose is lost
+                self.int8_head = self.mm_head
+        return self.int8_head
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
