@@ -28,7 +28,7 @@ def main() -> None:
     f32, i8 = load("default", None), load("default", None, dtype="int8")
     rows = []
     for dataset in ("chat", "humaneval"):
-        for prompt in load_prompts(dataset=dataset, limit=args.limit):
+        for prompt in (p.text for p in load_prompts(dataset=dataset, limit=args.limit)):
             a = f32.generate(prompt, max_new_tokens=args.max_new_tokens)
             b = i8.generate(prompt, max_new_tokens=args.max_new_tokens)
             same = sum(x == y for x, y in zip(a.token_ids, b.token_ids))

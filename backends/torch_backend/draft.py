@@ -82,7 +82,15 @@ class TorchDraft(CacheOwner, DraftBackend):
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.arch, self.embed, self.lm_head, self.norm, self.layers,
-                            self.cache.bytes_per_position(), self.rope, self.fc, self.hidden_norm, self.format)
+                            self.cache.bytes_per_position(), self.rope, self.fc, self.hidden_norm, self.format,
+                            read_bytes=self.read_bytes())
+
+    def read_bytes(self) -> int | None:
+        """Weight bytes a block reads when its head is the target's GGUF blocks (the cost floor), else None."""
+        if not isinstance(self.mm_head, Quantized):
+            return None
+        mats = [getattr(layer, a) for layer in self.layers for a in ("wqkv", "wo", "w_gate_up", "w_down")]
+        return self.mm_head.nbytes + sum(m.numel() * m.element_size() for m in mats)
 
     def fork(self) -> "TorchDraft":
         twin = copy.copy(self)

@@ -80,11 +80,18 @@ def cpu_name() -> str:
     return f"{cpu_model()} ({capability()})"
 
 
+MIN_SECONDS = 0.25  # per measured call: a 7 ms step timed 5 times was at the mercy of one stall of the VM
+
+
 def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()  # warm-up: caches, lazily built tables, allocator
-    sync()
+    """The median of at least `repeats` timed calls and at least MIN_SECONDS of them, after warm-up."""
+    began = time.perf_counter()
+    for _ in range(3):  # warm-up: caches, lazily built tables, allocator, the thread pool waking up
+        fn()
+        sync()
+    each = (time.perf_counter() - began) / 3
     times = []
-    for _ in range(repeats):
+    for _ in range(min(max(repeats, int(MIN_SECONDS / max(each, 1e-6))), 100)):
         began = time.perf_counter()
         fn()
         sync()
