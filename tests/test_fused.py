@@ -55,12 +55,12 @@ def test_rope_and_cache_write_match_the_torch_layer(ext):
     assert not kc[:, :, :start].any() and not kc[:, :, start + steps:].any()  # nothing else written
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim):
+@pytest.mark.parametrize("dim,start", [(64, 37), (128, 37), (64, 250)])
+def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, start):
     if not (ext.has_attend and {"avx2", "fma"} <= fused.cpu_flags()):
         pytest.skip("the attention kernel needs x86-64 with AVX2 and FMA")
     torch.manual_seed(2)
-    nh, nkv, cap, start, steps = 6, 2, 64, 37, 9
+    nh, nkv, cap, steps = 6, 2, 272, 9
     kc, vc, q = torch.randn(1, nkv, cap, dim), torch.randn(1, nkv, cap, dim), torch.randn(1, nh, steps, dim)
     mask = torch.arange(start + steps)[None, :] <= torch.arange(steps)[:, None] + start
     want = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :start + steps], vc[:, :, :start + steps],
