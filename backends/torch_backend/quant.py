@@ -184,21 +184,27 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor packed, bool q41, bool avx512
   return y;
 }
 
-// GGUF rows [N][K/32 blocks of bb bytes] -> [tiles][K/32][NB scales (, NB mins) fp16, block bytes x NB]
-torch::Tensor pack(torch::Tensor rows, bool q41, int64_t nb) {
+// GGUF rows [N][K/32 blocks of bb bytes] -> [tiles][K/32][NB scales (, NB mins) fp16, block bytes x NB]:
+// the block's bytes in groups of `group` per column (1: byte p of NB columns in one load, this kernel's;
+// 4: one 32-bit lane of 4 bytes per column, quant8's integer dot products); flip128: Q8_0 bytes + 128
+// (unsigned for vpdpbusd; a padding column then holds code 0 too)
+torch::Tensor pack(torch::Tensor rows, bool q41, int64_t nb, int64_t group, bool flip128) {
   TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == torch::kByte && rows.dim() == 2, "pack: GGUF rows");
   int64_t bb = q41 ? 20 : 34, head = q41 ? 4 : 2, N = rows.size(0), KB = rows.size(1) / bb, tiles = (N + nb - 1) / nb;
-  TORCH_CHECK(KB * bb == rows.size(1), "pack: rows are not whole blocks");
+  TORCH_CHECK(KB * bb == rows.size(1) && (bb - head) % group == 0, "pack: rows are not whole blocks");
+  const uint8_t flip = flip128 && !q41 ? 0x80 : 0;
   auto out = torch::zeros({tiles, KB, bb * nb}, rows.options());
   const uint8_t* src = rows.data_ptr<uint8_t>(); uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t b = 0; b < KB; ++b) {
         uint8_t* o = dst + (t * KB + b) * bb * nb;
-        for (int64_t j = 0; j < nb && t * nb + j < N; ++j) {
+        for (int64_t j = 0; j < nb; ++j) {
+          const bool real = t * nb + j < N;
           const uint8_t* blk = src + (t * nb + j) * KB * bb + b * bb;
-          for (int64_t h = 0; h < head; h += 2) { o[h / 2 * 2 * nb + 2 * j] = blk[h]; o[h / 2 * 2 * nb + 2 * j + 1] = blk[h + 1]; }
-          for (int64_t p = 0; p < bb - head; ++p) o[head * nb + p * nb + j] = blk[head + p];
+          for (int64_t h = 0; h < head; ++h) o[h / 2 * 2 * nb + 2 * j + h % 2] = real ? blk[h] : 0;
+          for (int64_t p = 0; p < bb - head; ++p)
+            o[head * nb + (p / group) * nb * group + j * group + p % group] = (real ? blk[head + p] : 0) ^ flip;
         }
       }
   });
@@ -293,13 +299,16 @@ class Quantized:
     def __init__(self, kind: str, rows: np.ndarray, fallback, weight_t: torch.Tensor | None = None):
         if kind not in BLOCK_BYTES:
             raise KernelUnavailable(f"{kind} blocks have no kernel here (only Q4_1 and Q8_0)")
-        self.ext, self.avx512 = extension(), isa() == "avx512"
         self.kind, self.fallback = kind, fallback
         self.n, self.k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * 32
-        rows = torch.from_numpy(np.array(rows)) if isinstance(rows, np.ndarray) else rows.contiguous()
-        if weight_t is not None and not self.ext.matches(rows, kind == Q4_1, weight_t):
+        self.setup(torch.from_numpy(np.array(rows)) if isinstance(rows, np.ndarray) else rows.contiguous(), weight_t)
+
+    def setup(self, rows: torch.Tensor, weight_t: torch.Tensor | None) -> None:
+        """This kernel's extension, ISA and packed blocks (after checking them against the float32 weights)."""
+        self.ext, self.avx512 = extension(), isa() == "avx512"
+        if weight_t is not None and not self.ext.matches(rows, self.kind == Q4_1, weight_t):
             raise ValueError("the GGUF blocks do not dequantize to the float32 weights")
-        self.packed = self.ext.pack(rows, kind == Q4_1, 16 if self.avx512 else 8)
+        self.packed = self.ext.pack(rows, self.kind == Q4_1, 16 if self.avx512 else 8, 1, False)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and 1 <= x.numel() // self.k <= MAX_ROWS

@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 import os
 
-import numpy as np
 import torch
 
 from .cpu import cpu_flags
 from .gemm import KernelUnavailable, build
-from .quant import BLOCK_BYTES, MAX_ROWS, Q4_1, Q8_0, Quantized
+from .quant import Q4_1, Quantized
+from .quant import extension as quant_extension
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -278,43 +278,11 @@ torch::Tensor qgemm8(torch::Tensor x, torch::Tensor packed, bool q41, bool avx51
   return y;
 }
 
-// GGUF rows [N][K/32 blocks] -> [tiles][K/32][scales (, mins), NB x 4-byte groups]; Q8_0 bytes +128 for
-// VNNI (avx512) or kept signed for AVX2's |q| and sign
-torch::Tensor pack8(torch::Tensor rows, bool q41, int64_t nb, bool plus128) {
-  TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == torch::kByte && rows.dim() == 2, "pack8: GGUF rows");
-  int64_t bb = q41 ? 20 : 34, head = q41 ? 4 : 2, N = rows.size(0), KB = rows.size(1) / bb, tiles = (N + nb - 1) / nb;
-  TORCH_CHECK(KB * bb == rows.size(1), "pack8: rows are not whole blocks");
-  auto out = torch::zeros({tiles, KB, bb * nb}, rows.options());
-  const uint8_t* src = rows.data_ptr<uint8_t>(); uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < KB; ++b) {
-        uint8_t* o = dst + (t * KB + b) * bb * nb;
-        for (int64_t j = 0; j < nb; ++j) {
-          bool real = t * nb + j < N;
-          const uint8_t* blk = src + (t * nb + j) * KB * bb + b * bb;
-          for (int64_t h = 0; h < head; h += 2)
-            for (int e = 0; e < 2; ++e) o[h / 2 * 2 * nb + 2 * j + e] = real ? blk[h + e] : 0;
-          for (int64_t p = 0; p < bb - head; ++p) {
-            uint8_t v = real ? blk[head + p] : 0;
-            if (!q41 && plus128) v ^= 0x80;  // a padding column becomes 0x80: code 0
-            o[head * nb + (p / 4) * nb * 4 + j * 4 + p % 4] = v;
-          }
-        }
-      }
-  });
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm8", &qgemm8);
-  m.def("pack8", &pack8);
   m.def("amx_ready", &amx_ready);
 }
 """
-
-NAME = "int8"  # what --dtype asks for, and how stats and bench name these numerics
-
 
 def isa() -> str | None:
     """'avx512' (with BW and VNNI), 'avx2' (with FMA and F16C), or None. HETERO_SD_QUANT_ISA=avx2 forces
@@ -349,14 +317,11 @@ class Int8Blocks(Quantized):
     """A weight [in, out] as GGUF blocks, multiplied with int8-quantized rows of x (1..MAX_ROWS rows;
     longer inputs go to `fallback`, as for Quantized)."""
 
-    def __init__(self, kind: str, rows: np.ndarray, fallback, weight_t: torch.Tensor | None = None):
-        if kind not in BLOCK_BYTES:
-            raise KernelUnavailable(f"{kind} blocks have no int8 kernel here (only Q4_1 and Q8_0)")
+    def setup(self, rows: torch.Tensor, weight_t: torch.Tensor | None) -> None:
+        """(weight_t is not checked: these numerics are not the float32 weights' anyway.)"""
         self.ext, self.avx512 = extension(), isa() == "avx512"
-        self.kind, self.fallback = kind, fallback
-        self.n, self.k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * 32
-        rows = torch.from_numpy(np.array(rows)) if isinstance(rows, np.ndarray) else rows.contiguous()
-        self.packed = self.ext.pack8(rows, kind == Q4_1, 16 if self.avx512 else 8, self.avx512)
+        # 4 bytes per column and lane; Q8_0 +128 for vpdpbusd, signed for AVX2's |q| and sign (quant.pack)
+        self.packed = quant_extension().pack(rows, self.kind == Q4_1, 16 if self.avx512 else 8, 4, self.avx512)
         self.amx_rows = amx_rows() if self.avx512 else 0
 
     label = "qgemm8"
@@ -367,5 +332,3 @@ class Int8Blocks(Quantized):
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         return self.ext.qgemm8(rows, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows)
 
-
-__all__ = ["Int8Blocks", "NAME", "MAX_ROWS", "Q8_0", "isa", "extension"]
