@@ -25,7 +25,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.2))
     for path, label in zip(args.files, labels):
         c = json.load(open(path))["costs"]
         name = f"{label}: decode {c['decode_s'] * 1e3:.1f} ms ({c['dtype']})"
@@ -39,11 +39,13 @@ def main() -> None:
              xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], ylim=(0, None))
     right.set(title="draft block of size b", xlabel="block size b", ylabel="x one decode step", xticks=bs,
               ylim=(0, None))
-    left.legend(fontsize=7)
-    right.legend(fontsize=7)
+    # one legend under both plots: the labels name the numerics and are too long to sit inside a plot
+    handles, labels = left.get_legend_handles_labels()
+    extra = right.get_legend_handles_labels()
+    fig.legend(handles + extra[0][-1:], labels + extra[1][-1:], loc="lower center", fontsize=7, ncol=1)
     cpu = json.load(open(args.files[-1]))["costs"]["cpu"]
     fig.suptitle(cpu, fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))  # room for the legend below
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
 
