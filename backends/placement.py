@@ -87,7 +87,7 @@ def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend
         notes += draft.notes  # e.g. the head it multiplies, a kernel that did not build
         return draft
     dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
-    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors)
+    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors, int8_head=False)
     if device == "ane-sim":
         from .coreml import AneSimDraft
 

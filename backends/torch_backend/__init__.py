@@ -36,11 +36,14 @@ def load_target(folder: Path, cfg: ArchConfig, device: str, dtype: torch.dtype, 
 
 
 def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str, dtype: torch.dtype,
-               mask_token_id: int, tensors: dict | None = None) -> TorchDraft:
+               mask_token_id: int, tensors: dict | None = None, int8_head: bool = True) -> TorchDraft:
+    """int8_head=False: the target's own head (a float32 reference that measures another draft's drift
+    must not carry the int8 head's rounding)."""
     tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
     return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
-                      feature_size, mask_token_id, target.max_context, draft_head(target))
+                      feature_size, mask_token_id, target.max_context,
+                      draft_head(target) if int8_head else getattr(target, "mm_head", None))
 
 
 def draft_head(target):

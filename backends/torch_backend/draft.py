@@ -175,7 +175,7 @@ def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
     A target head kept as GGUF blocks (quant.Quantized) serves a float32 draft too: bitwise the same
     weights, and its Q8_0 kernel multiplies 16 rows ~2x faster than the packed float32 head (one core of
     the Sapphire Rapids Xeon: 7.7 vs 15.8 ms). A bf16 draft keeps its own bf16 head (~3.8 ms there)."""
-    if isinstance(target_mm, Int8Blocks):  # any draft dtype (its rows go in as float32)
+    if isinstance(target_mm, Int8Blocks) and lm_head.device.type == "cpu":  # any dtype: rows go in as float32
         notes.append(f"draft head: the GGUF's {target_mm.kind} head blocks times int8 rows ({target_mm.nbytes / 1e6:.0f} MB "
                      "read per block instead of a bf16 head's 2 bytes per weight; the target verifies every token)")
         return target_mm
