@@ -229,13 +229,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor, torch::Tensor, int64_t) { T
 #define HAS_ATTEND false
 #endif
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
+  m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
   m.attr("has_attend") = HAS_ATTEND;
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rope_qkv", &rope_qkv);
-  m.def("silu_mul", &silu_mul);
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_qkv", &rope_qkv, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>());
 }
 """
 

@@ -144,9 +144,9 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t n, bool avx512
   return n == ldy ? y : y.narrow(1, 0, n);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
   m.def("pack", &pack);
-  m.def("gemm", &gemm);
+  m.def("gemm", &gemm, py::call_guard<py::gil_scoped_release>());
 }
 """
 

@@ -243,8 +243,8 @@ bool matches(torch::Tensor rows, bool q41, torch::Tensor w_t) {
   return ok;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qgemm", &qgemm);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
+  m.def("qgemm", &qgemm, py::call_guard<py::gil_scoped_release>());
   m.def("pack", &pack);
   m.def("matches", &matches);
 }

@@ -278,8 +278,8 @@ torch::Tensor qgemm8(torch::Tensor x, torch::Tensor packed, bool q41, bool avx51
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qgemm8", &qgemm8);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
+  m.def("qgemm8", &qgemm8, py::call_guard<py::gil_scoped_release>());
   m.def("amx_ready", &amx_ready);
 }
 """
