@@ -1,8 +1,9 @@
 """Where a decode step of the default target goes, by wall clock: every GGUF-block product and every fused
 op is timed around its call (the instrumentation adds ~5%), the rest is Python and torch around them.
-One process, 512 tokens of context, `--steps` decode steps after 30 of warm-up.
+One process, 512 tokens of context, `--steps` decode steps after 30 of warm-up; `--rows 16` times a
+verify of 16 tokens instead of a decode step.
 
-    python benchmarks/decode_parts.py [--dtype int8] [--steps 300] [--json out.json]
+    python benchmarks/decode_parts.py [--dtype int8] [--rows 1] [--steps 300] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def timed_calls(acc: collections.Counter) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--rows", type=int, default=1, help="tokens per forward: 1 (decode) or a verify's block")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -62,7 +64,7 @@ def main() -> None:
         began = time.perf_counter()
         for _ in range(n):
             target.crop(512)
-            target.forward([5])
+            target.forward([5] * args.rows)
         return (time.perf_counter() - began) / n
 
     steps(30)
@@ -70,7 +72,7 @@ def main() -> None:
     step = steps(args.steps)
     parts = {k: round(v / args.steps * 1e3, 3) for k, v in acc.most_common()}
     parts["rest (Python, torch)"] = round(step * 1e3 - sum(parts.values()), 3)
-    out = {"machine": machine(), "dtype": args.dtype or "float32", "step_ms": round(step * 1e3, 3), "parts_ms": parts}
+    out = {"machine": machine(), "dtype": args.dtype or "float32", "rows": args.rows, "step_ms": round(step * 1e3, 3), "parts_ms": parts}
     print(json.dumps(out["parts_ms"]), f"step {out['step_ms']} ms")
     if args.json:
         with open(args.json, "w") as f:

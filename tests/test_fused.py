@@ -31,9 +31,15 @@ def test_each_op_is_the_torch_formula_and_row_invariant(ext):
     s, y = ext.add_rms_norm(x, d, w, 1e-5)
     torch.testing.assert_close(s, x + d)
     torch.testing.assert_close(y, rms_norm(x + d, w, 1e-5), rtol=1e-5, atol=1e-6)
-    gu = torch.randn(1, 7, 2 * 40)
+    gu = torch.randn(1, 7, 2 * 43) * 8  # 43: a row's tail past its last group of 8 lanes; * 8: large |g| too
+    gu[0, 0, :3] = torch.tensor([-120.0, 95.0, 0.0])  # e^-g past the clamps
     gate, up = gu.chunk(2, -1)
     torch.testing.assert_close(ext.silu_mul(gu), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    xs, ws, gus = torch.randn(1, 20, 576), torch.randn(576), torch.randn(1, 20, 2 * 1536)  # rows over threads
+    torch.testing.assert_close(ext.rms_norm(xs, ws, 1e-5), rms_norm(xs, ws, 1e-5), rtol=1e-5, atol=1e-6)
+    for t in (0, 13, 19):
+        assert torch.equal(ext.rms_norm(xs[:, t:t + 1], ws, 1e-5), ext.rms_norm(xs, ws, 1e-5)[:, t:t + 1])
+        assert torch.equal(ext.silu_mul(gus[:, t:t + 1]), ext.silu_mul(gus)[:, t:t + 1])
     for t in range(7):  # one row alone gives bitwise what it gives inside the block
         assert torch.equal(ext.rms_norm(x[:, t:t + 1], w, 1e-5), ext.rms_norm(x, w, 1e-5)[:, t:t + 1])
         assert torch.equal(ext.silu_mul(gu[:, t:t + 1]), ext.silu_mul(gu)[:, t:t + 1])
@@ -46,7 +52,8 @@ def test_rope_and_cache_write_match_the_torch_layer(ext):
     angles = torch.randn(steps, dim // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     kc, vc = torch.zeros(1, nkv, 16, dim), torch.zeros(1, nkv, 16, dim)
-    q, keys, values = ext.rope_qkv(qkv, cos, sin, kc, vc, start, nh, nkv)
+    q, keys, values = ext.rope_qkv(qkv, cos, sin, kc, vc, start, nh, nkv, True)
+    assert len(ext.rope_qkv(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, False)) == 1
     heads = lambda x, n: x.view(1, steps, n, dim).transpose(1, 2)  # noqa: E731
     qt, kt, vt = qkv.split([nh * dim, nkv * dim, nkv * dim], -1)
     torch.testing.assert_close(q, apply_rope(heads(qt, nh), cos, sin), rtol=1e-6, atol=1e-6)
@@ -55,20 +62,23 @@ def test_rope_and_cache_write_match_the_torch_layer(ext):
     assert not kc[:, :, :start].any() and not kc[:, :, start + steps:].any()  # nothing else written
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
 @pytest.mark.parametrize("dim,start", [(64, 37), (128, 37), (64, 250)])
-def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, start):
+def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, start, wide):
     if not (ext.has_attend and {"avx2", "fma"} <= fused.cpu_flags()):
         pytest.skip("the attention kernel needs x86-64 with AVX2 and FMA")
+    if wide and "avx512f" not in fused.cpu_flags():
+        pytest.skip("the 16-lane attention kernel needs AVX-512F")
     torch.manual_seed(2)
     nh, nkv, cap, steps = 6, 2, 272, 9
     kc, vc, q = torch.randn(1, nkv, cap, dim), torch.randn(1, nkv, cap, dim), torch.randn(1, nh, steps, dim)
     mask = torch.arange(start + steps)[None, :] <= torch.arange(steps)[:, None] + start
     want = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :start + steps], vc[:, :, :start + steps],
                                                             attn_mask=mask, enable_gqa=True)
-    got = ext.attend(q, kc, vc, start)
+    got = ext.attend(q, kc, vc, start, wide)
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, steps, nh * dim), rtol=1e-5, atol=1e-6)
     for t in range(steps):  # a decode step at position start+t gives the verify block's row bit for bit
-        assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t), got[:, t:t + 1])
+        assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t, wide), got[:, t:t + 1])
 
 
 def test_fused_target_is_the_torch_op_target(tiny_llama, monkeypatch, ext):

@@ -1,21 +1,22 @@
 """x @ W^T with W kept as GGUF Q4_1 / Q8_0 blocks: the decode and verify steps of a target that came from
-a GGUF read ~5.6x fewer bytes per token than its float32 copy, for the SAME function.
+a GGUF read ~5.6x fewer bytes per token than its float32 copy, for the same function up to float32 rounding.
 
 Why it is the same function: the converted float32 target (hetero_sd/default_model.py) holds exactly the
-dequantized values, d*q + m (Q4_1) and d*q (Q8_0), computed in float32. d is fp16 (11 significant bits) and
-q has at most 8 bits, so d*q is exact in float32 and fma(q, d, m) rounds exactly like the converter's
-`d*q + m`: the kernel multiplies x (float32, never quantized) by bitwise the float32 target's weights,
-dequantized in registers. Only the float32 summation order differs from torch's matmul (what the parity
-tests' 1e-4 already allows). `Quantized` checks at load that the blocks dequantize bitwise to the float32
-weights it stands for, and refuses otherwise.
+dequantized values, d*q + m (Q4_1) and d*q (Q8_0), computed in float32 (`Quantized` checks at load that
+the blocks dequantize bitwise to the float32 weights they stand for, and refuses otherwise). Per block of
+32 inputs the kernel computes x . (d*q + m) regrouped as d * (x . q) + m * sum(x): the same d, q and m, no
+weight dequantized (that saves 2 of 9 vector ops per 32 weights, and a decode step is bound by those ops,
+not by memory: benchmarks/README.md). Only float32 rounding differs from torch's matmul of the dequantized
+weights, within what the parity tests' 1e-4 allows.
 
 Layout (packed once at load): output columns in tiles of NB (AVX-512: 16, one zmm; AVX2: 8, one ymm); per
 tile, per block of 32 inputs, NB fp16 scales (and NB fp16 mins for Q4_1) then the block's bytes transposed
 so that one load gives byte p of NB rows (Q4_1: 16 bytes of nibble pairs; Q8_0: 32 int8). Each tile is a
 contiguous stream, one lane per output column: no horizontal sums. R rows of x (AVX-512: up to 8; AVX2: 4)
-share each dequantized vector. Every output lane is summed in the same order whatever M is (two float32
-accumulators, low/high nibble or even/odd input, added at the end), and AVX2 performs the same per-lane
-operations as AVX-512: a row gives bitwise the same result alone, in any block of rows, on either ISA.
+share each loaded vector. Every output lane is summed in the same order whatever M is (per block two
+float32 chains, low/high nibble or even/odd input, added at the end of the block), and AVX2 performs the
+same per-lane operations as AVX-512: a row gives bitwise the same result alone, in any block of rows, on
+either ISA.
 
 Parallel over tiles with at::parallel_for (OpenMP). M = 1..MAX_ROWS rows; longer (prefill) goes to the
 float32 fallback. Built once per Python environment like gemm.py."""
@@ -39,119 +40,136 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <vector>
 #include <c10/util/Half.h>
+
+// Per block of 32 inputs and per output lane: S = sum_i x_i q_i (two chains: low nibbles / even inputs,
+// high nibbles / odd inputs, added at the end of the block), then y += d*S (+ m*X for Q4_1, X = the block's
+// sum of x, taken once per row). That is x . (d*q + m) regrouped: no weight is dequantized, which saves two
+// of the nine vector ops per 32 weights (a decode step is bound by them, not by memory). Every lane takes
+// the same operations in the same order whatever the number of rows and on either ISA.
 
 // ---- AVX-512: NB = 16 output columns per tile, one zmm per row and accumulator ----
 template <int R>
-__attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t ldx, const uint8_t* w, int64_t KB,
-                                                        float* y, int64_t ldy) {
+__attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                                                        const uint8_t* w, int64_t KB, float* y, int64_t ldy) {
   constexpr int NB = 16, BB = 20 * NB;
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) { lo[r] = _mm512_setzero_ps(); hi[r] = _mm512_setzero_ps(); }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32(0xF);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    _mm_prefetch((const char*)(blk + 12 * BB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 128), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 192), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 256), _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB)));
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
     const uint8_t* qs = blk + 4 * NB;
     const float* xb = x + b * 32;
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) { lo[r] = _mm512_setzero_ps(); hi[r] = _mm512_setzero_ps(); }
     for (int p = 0; p < 16; ++p) {
       __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + p * NB)));
-      __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, mask)), d, m);
-      __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+      const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask)), qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
       for (int r = 0; r < R; ++r) {
-        lo[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p]), wl, lo[r]);
-        hi[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p + 16]), wh, hi[r]);
+        lo[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p]), ql, lo[r]);
+        hi[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p + 16]), qh, hi[r]);
       }
     }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[r], hi[r]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + b]), acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(lo[r], hi[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
 template <int R>
-__attribute__((target("avx512f"))) static void q80_512(const float* x, int64_t ldx, const uint8_t* w, int64_t KB,
-                                                        float* y, int64_t ldy) {
+__attribute__((target("avx512f"))) static void q80_512(const float* x, int64_t ldx, const float*, int64_t,
+                                                        const uint8_t* w, int64_t KB, float* y, int64_t ldy) {
   constexpr int NB = 16, BB = 34 * NB;
-  __m512 ev[R], od[R];
-  for (int r = 0; r < R; ++r) { ev[r] = _mm512_setzero_ps(); od[r] = _mm512_setzero_ps(); }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 16 * BB + l), _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     const int8_t* qs = (const int8_t*)(blk + 2 * NB);
     const float* xb = x + b * 32;
+    __m512 ev[R], od[R];
+    for (int r = 0; r < R; ++r) { ev[r] = _mm512_setzero_ps(); od[r] = _mm512_setzero_ps(); }
     for (int k = 0; k < 32; k += 2) {
-      __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + k * NB)))), d);
-      __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + (k + 1) * NB)))), d);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + k * NB))));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + (k + 1) * NB))));
       for (int r = 0; r < R; ++r) {
         ev[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), w0, ev[r]);
         od[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), w1, od[r]);
       }
     }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, _mm512_add_ps(ev[r], od[r]), acc[r]);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(ev[r], od[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
 // ---- AVX2 + FMA + F16C: NB = 8, the same per-lane operations ----
 template <int R>
-__attribute__((target("avx2,fma,f16c"))) static void q41_256(const float* x, int64_t ldx, const uint8_t* w, int64_t KB,
-                                                              float* y, int64_t ldy) {
+__attribute__((target("avx2,fma,f16c"))) static void q41_256(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                                                              const uint8_t* w, int64_t KB, float* y, int64_t ldy) {
   constexpr int NB = 8, BB = 20 * NB;
-  __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi32(0xF);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    _mm_prefetch((const char*)(blk + 12 * BB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(blk + 12 * BB + 128), _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB)));
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
     const uint8_t* qs = blk + 4 * NB;
     const float* xb = x + b * 32;
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
     for (int p = 0; p < 16; ++p) {
       __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + p * NB)));
-      __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), d, m);
-      __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m);
+      const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
       for (int r = 0; r < R; ++r) {
-        lo[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p]), wl, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p + 16]), wh, hi[r]);
+        lo[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p]), ql, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p + 16]), qh, hi[r]);
       }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(lo[r], hi[r]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * ldxs + b]), acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(lo[r], hi[r]));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
 template <int R>
-__attribute__((target("avx2,fma,f16c"))) static void q80_256(const float* x, int64_t ldx, const uint8_t* w, int64_t KB,
-                                                              float* y, int64_t ldy) {
+__attribute__((target("avx2,fma,f16c"))) static void q80_256(const float* x, int64_t ldx, const float*, int64_t,
+                                                              const uint8_t* w, int64_t KB, float* y, int64_t ldy) {
   constexpr int NB = 8, BB = 34 * NB;
-  __m256 ev[R], od[R];
-  for (int r = 0; r < R; ++r) { ev[r] = _mm256_setzero_ps(); od[r] = _mm256_setzero_ps(); }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 16 * BB + l), _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
     const int8_t* qs = (const int8_t*)(blk + 2 * NB);
     const float* xb = x + b * 32;
+    __m256 ev[R], od[R];
+    for (int r = 0; r < R; ++r) { ev[r] = _mm256_setzero_ps(); od[r] = _mm256_setzero_ps(); }
     for (int k = 0; k < 32; k += 2) {
-      __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + k * NB)))), d);
-      __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + (k + 1) * NB)))), d);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + k * NB))));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + (k + 1) * NB))));
       for (int r = 0; r < R; ++r) {
         ev[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + k]), w0, ev[r]);
         od[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + k + 1]), w1, od[r]);
       }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(ev[r], od[r]), acc[r]);
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(ev[r], od[r]));
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-using Tile = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
+using Tile = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
 static Tile pick(bool q41, bool avx512, int r) {
   if (avx512) {
@@ -164,21 +182,48 @@ static Tile pick(bool q41, bool avx512, int r) {
   switch (r) { case 1: return q80_256<1>; case 2: return q80_256<2>; case 3: return q80_256<3>; default: return q80_256<4>; }
 }
 
-// x [M, K] contiguous float32; packed [tiles][K/32][bytes per block of NB columns] uint8 -> y [M, tiles*NB]
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor packed, bool q41, bool avx512) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2, "qgemm: contiguous float32 rows");
+// the sum of each run of 32 floats, by one fixed tree (the same on every row and either ISA)
+__attribute__((target("avx2"))) static void block_sums(const float* x, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * 32;
+    __m256 a = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[b] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+  }
+}
+
+// x [..., K] float32 (made contiguous here); packed [tiles][K/32][bytes per block of NB columns] uint8 ->
+// y [..., n]: the shapes are handled here, not in Python (a decode step makes 121 of these calls, and each
+// Python reshape or slice around them cost about a microsecond)
+torch::Tensor qgemm(torch::Tensor x_in, torch::Tensor packed, bool q41, bool avx512, int64_t n) {
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1, "qgemm: float32 rows");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kByte && packed.dim() == 3, "qgemm: packed blocks");
-  int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), KB = packed.size(1), bytes = packed.size(2);
+  int64_t K = x.size(-1), M = x.numel() / K, tiles = packed.size(0), KB = packed.size(1), bytes = packed.size(2);
   int64_t nb = avx512 ? 16 : 8;
-  TORCH_CHECK(KB * 32 == K && bytes == (q41 ? 20 : 34) * nb, "qgemm: packed weight does not fit x or this ISA");
-  auto y = torch::empty({M, tiles * nb}, x.options());
+  TORCH_CHECK(KB * 32 == K && bytes == (q41 ? 20 : 34) * nb && n <= tiles * nb && n > (tiles - 1) * nb,
+              "qgemm: packed weight does not fit x or this ISA");
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = torch::empty(sizes, x.options());
   const float* xp = x.data_ptr<float>(); const uint8_t* wp = packed.data_ptr<uint8_t>(); float* yp = y.data_ptr<float>();
-  int64_t ldy = tiles * nb, rows_max = avx512 ? 8 : 4, stride = KB * bytes;
+  std::vector<float> sums(q41 ? M * KB : 1);  // X: each row's sum over each block (Q4_1's m*X)
+  if (q41) block_sums(xp, M * KB, sums.data());
+  int64_t rows_max = avx512 ? 8 : 4, stride = KB * bytes;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float part[8 * 16];  // a last tile wider than what is left of y: through here
     for (int64_t t = begin; t < end; ++t)
       for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
         int r = (int)std::min(rows_max, M - r0);
-        pick(q41, avx512, r)(xp + r0 * K, K, wp + t * stride, KB, yp + r0 * ldy + t * nb, ldy);
+        const float* xs = sums.data() + (q41 ? r0 * KB : 0);
+        if ((t + 1) * nb <= n) {
+          pick(q41, avx512, r)(xp + r0 * K, K, xs, KB, wp + t * stride, KB, yp + r0 * n + t * nb, n);
+        } else {
+          pick(q41, avx512, r)(xp + r0 * K, K, xs, KB, wp + t * stride, KB, part, nb);
+          for (int i = 0; i < r; ++i) std::memcpy(yp + (r0 + i) * n + t * nb, part + i * nb, (n - t * nb) * sizeof(float));
+        }
       }
   });
   return y;
@@ -244,7 +289,7 @@ bool matches(torch::Tensor rows, bool q41, torch::Tensor w_t) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
-  m.def("qgemm", &qgemm, py::call_guard<py::gil_scoped_release>());
+  m.def("qgemm", &qgemm, py::call_guard<py::gil_scoped_release>());  // (x, packed, q41, avx512, n)
   m.def("pack", &pack);
   m.def("matches", &matches);
 }
@@ -314,23 +359,18 @@ class Quantized:
         return x.dtype == torch.float32 and 1 <= x.numel() // self.k <= MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.k)
-        rows = flat if flat.is_contiguous() else flat.contiguous()
         if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it for torch.profiler
             with torch.profiler.record_function(f"hetero_sd::{self.label}_{self.kind}"):
-                y = self.multiply(rows)
-        else:
-            y = self.multiply(rows)
-        if y.shape[1] != self.n:
-            y = y[:, :self.n]
-        return y.reshape(*x.shape[:-1], self.n)
+                return self.product(x)
+        return self.product(x)
 
     label = "qgemm"
     suffix = ""  # what the weights' name adds: these numerics are the float32 target's
-    how = f"dequantized in registers to bitwise the float32 weights ({isa()} kernel)"
+    how = f"times bitwise the float32 weights' d, q and m, never dequantized ({isa()} kernel)"
 
-    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.ext.qgemm(rows, self.packed, self.kind == Q4_1, self.avx512)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., k] -> [..., n]: the kernel takes the shapes (see qgemm)."""
+        return self.ext.qgemm(x, self.packed, self.kind == Q4_1, self.avx512, self.n)
 
     @property
     def nbytes(self) -> int:

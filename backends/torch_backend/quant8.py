@@ -329,6 +329,13 @@ class Int8Blocks(Quantized):
     how = (f"times rows quantized to int8 per 32 inputs (llama.cpp's Q8_1), in integer dot products "
            f"({isa()} kernel): a different target from the float32 one")
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.k)
+        y = self.multiply(flat if flat.is_contiguous() else flat.contiguous())
+        if y.shape[1] != self.n:
+            y = y[:, :self.n]
+        return y.reshape(*x.shape[:-1], self.n)
+
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         return self.ext.qgemm8(rows, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows)
 
