@@ -56,7 +56,9 @@ __attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t l
   constexpr int NB = 16, BB = 20 * NB;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi32(0xF);
+  // the nibble -> float conversion is one lookup: vpermps reads only an index's low 4 bits, so it takes
+  // the byte as it is for the low nibble (no mask), and the same floats as cvtdq2ps would give
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
@@ -66,7 +68,7 @@ __attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t l
     for (int r = 0; r < R; ++r) { lo[r] = _mm512_setzero_ps(); hi[r] = _mm512_setzero_ps(); }
     for (int p = 0; p < 16; ++p) {
       __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + p * NB)));
-      const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, mask)), qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      const __m512 ql = _mm512_permutexvar_ps(q, values), qh = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
       for (int r = 0; r < R; ++r) {
         lo[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p]), ql, lo[r]);
         hi[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + p + 16]), qh, hi[r]);
