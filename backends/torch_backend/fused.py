@@ -135,11 +135,13 @@ std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch:
 }
 
 #if defined(__x86_64__)
-// ---- causal attention, one query row at a time (decode and verify agree bit for bit) ----
+// ---- causal attention, each query row summed as if alone (decode and verify agree bit for bit) ----
 // torch's SDPA sums in a different order for one query row than for a block of rows, and int8 rows
-// (quant8.py) turn that 1e-6 into different codes. Here each (row, head) is computed alone, in the same
-// order whatever the number of rows: scores q.k_j in 8-lane sums reduced in a fixed tree, exp by one
-// polynomial, sum and weighted values accumulated over j in order. AVX2 (on AVX-512 CPUs too).
+// (quant8.py) turn that 1e-6 into different codes. Here each (row, head) takes the same operations in the
+// same order whatever the number of rows: scores q.k_j in 8- or 16-lane sums reduced in a fixed tree, exp
+// by one polynomial, sum and weighted values accumulated over j in order. Rows only share memory traffic:
+// a chunk of keys serves all rows of a work item while it is in L1 (attend_rows). AVX2, and a 16-lane
+// AVX-512 variant (~1.2x on a verify block; a machine uses one of them for every row).
 __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -447,7 +449,7 @@ def extension():
 
 
 def attend_wide() -> bool:
-    """Whether attention takes the 16-lane AVX-512 kernel (~1.5x the 8-lane one on a verify block's rows).
+    """Whether attention takes the 16-lane AVX-512 stages (~1.2x the 8-lane ones on a verify block's rows).
     HETERO_SD_ATTEND_ISA=avx2 forces the 8-lane one (tests run both on an AVX-512 machine)."""
     return "avx512f" in cpu_flags() and os.environ.get("HETERO_SD_ATTEND_ISA") != "avx2"
 

@@ -4,10 +4,12 @@ a GGUF read ~5.6x fewer bytes per token than its float32 copy, for the same func
 Why it is the same function: the converted float32 target (hetero_sd/default_model.py) holds exactly the
 dequantized values, d*q + m (Q4_1) and d*q (Q8_0), computed in float32 (`Quantized` checks at load that
 the blocks dequantize bitwise to the float32 weights they stand for, and refuses otherwise). Per block of
-32 inputs the kernel computes x . (d*q + m) regrouped as d * (x . q) + m * sum(x): the same d, q and m, no
-weight dequantized (that saves 2 of 9 vector ops per 32 weights, and a decode step is bound by those ops,
-not by memory: benchmarks/README.md). Only float32 rounding differs from torch's matmul of the dequantized
-weights, within what the parity tests' 1e-4 allows.
+32 inputs the kernel computes x . (d*q + m) regrouped as d * (x . (q - 8)) + (m + 8d) * sum(x): the same
+d, q and m, no weight dequantized (that saves 2 of 9 vector ops per 32 weights, and a decode step is bound
+by those ops, not by memory: benchmarks/README.md). Centred on q = 8 because a Q4_1 block's m is about -8d:
+d * (x . q) and m * sum(x) then cancel, and their rounding showed in the parity test against float64
+(2-3e-4 over its tolerance; centred, within it). Only float32 rounding differs from torch's matmul of the
+dequantized weights, within what the parity tests' 1e-4 allows.
 
 Layout (packed once at load): output columns in tiles of NB (AVX-512: 16, one zmm; AVX2: 8, one ymm); per
 tile, per block of 32 inputs, NB fp16 scales (and NB fp16 mins for Q4_1) then the block's bytes transposed
@@ -43,9 +45,9 @@ SOURCE = r"""
 #include <vector>
 #include <c10/util/Half.h>
 
-// Per block of 32 inputs and per output lane: S = sum_i x_i q_i (two chains: low nibbles / even inputs,
-// high nibbles / odd inputs, added at the end of the block), then y += d*S (+ m*X for Q4_1, X = the block's
-// sum of x, taken once per row). That is x . (d*q + m) regrouped: no weight is dequantized, which saves two
+// Per block of 32 inputs and per output lane: S = sum_i x_i q_i (Q4_1: q_i - 8; two chains: low nibbles /
+// even inputs, high nibbles / odd inputs, added at the end of the block), then y += d*S (+ (m + 8d)*X for
+// Q4_1, X = the block's sum of x, taken once per row). That is x . (d*q + m) regrouped: no weight is dequantized, which saves two
 // of the nine vector ops per 32 weights (a decode step is bound by them, not by memory). Every lane takes
 // the same operations in the same order whatever the number of rows and on either ISA.
 
@@ -58,7 +60,7 @@ __attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t l
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   // the nibble -> float conversion is one lookup: vpermps reads only an index's low 4 bits, so it takes
   // the byte as it is for the low nibble (no mask), and the same floats as cvtdq2ps would give
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
@@ -75,7 +77,7 @@ __attribute__((target("avx512f"))) static void q41_512(const float* x, int64_t l
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB)));
+    const __m512 m = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 2 * NB))));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[r], hi[r]), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + b]), acc[r]);
@@ -118,7 +120,7 @@ __attribute__((target("avx2,fma,f16c"))) static void q41_256(const float* x, int
   constexpr int NB = 8, BB = 20 * NB;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi32(0xF);
+  const __m256i mask = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BB;
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_T0);
@@ -128,14 +130,15 @@ __attribute__((target("avx2,fma,f16c"))) static void q41_256(const float* x, int
     for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
     for (int p = 0; p < 16; ++p) {
       __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + p * NB)));
-      const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+      const __m256 ql = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, mask), eight));
+      const __m256 qh = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight));
       for (int r = 0; r < R; ++r) {
         lo[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p]), ql, lo[r]);
         hi[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + p + 16]), qh, hi[r]);
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB)));
+    const __m256 m = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB))));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(lo[r], hi[r]), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * ldxs + b]), acc[r]);
