@@ -31,6 +31,7 @@ from .quant import extension as quant_extension
 
 SOURCE = r"""
 #include <torch/extension.h>
+#include <vector>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -248,34 +249,39 @@ template <bool Q41> static Tile pick(bool avx512, int r) {
 }
 
 // x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
-torch::Tensor qgemm8(torch::Tensor x, torch::Tensor packed, bool q41, bool avx512, int64_t amx_rows) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2, "qgemm8: contiguous float32 rows");
-  int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), KB = packed.size(1), nb = avx512 ? 16 : 8;
-  TORCH_CHECK(KB * 32 == K && packed.size(2) == (q41 ? 20 : 34) * nb, "qgemm8: packed weight does not fit x or this ISA");
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  auto dx = torch::empty({M, KB}, x.options()), ms = torch::empty({M, KB}, x.options());
-  auto sq = torch::empty({M, KB}, x.options().dtype(torch::kInt));
-  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), dx.data_ptr<float>(), ms.data_ptr<float>(), sq.data_ptr<int32_t>(), avx512);
+// x [..., K] float32 (made contiguous here) -> y [..., n], the shapes handled here as quant.qgemm does
+torch::Tensor qgemm8(torch::Tensor x_in, torch::Tensor packed, bool q41, bool avx512, int64_t amx_rows, int64_t n) {
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1, "qgemm8: float32 rows");
+  int64_t K = x.size(-1), M = x.numel() / K, tiles = packed.size(0), KB = packed.size(1), nb = avx512 ? 16 : 8;
+  TORCH_CHECK(KB * 32 == K && packed.size(2) == (q41 ? 20 : 34) * nb && n <= tiles * nb && n > (tiles - 1) * nb,
+              "qgemm8: packed weight does not fit x or this ISA");
+  // the rows' int8 codes, scales, mins and code sums: plain buffers (4 torch allocations cost ~2 us a call)
+  std::vector<int8_t> q(M * K);
+  std::vector<float> dx(M * KB), ms(M * KB);
+  std::vector<int32_t> sq(M * KB);
+  quantize_rows(x.data_ptr<float>(), M, K, q.data(), dx.data(), ms.data(), sq.data(), avx512);
   auto y = torch::empty({M, tiles * nb}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>(); float* yp = y.data_ptr<float>();
   int64_t ldy = tiles * nb, rows_max = avx512 ? 8 : 4, stride = packed.size(1) * packed.size(2);
   if (avx512 && amx_rows > 0 && M >= amx_rows && amx_ready()) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      (q41 ? tiles_amx<true> : tiles_amx<false>)(q.data_ptr<int8_t>(), dx.data_ptr<float>(), ms.data_ptr<float>(),
-                                                sq.data_ptr<int32_t>(), M, K, wp, begin, end, stride, yp, ldy);
+      (q41 ? tiles_amx<true> : tiles_amx<false>)(q.data(), dx.data(), ms.data(), sq.data(), M, K, wp, begin, end,
+                                                stride, yp, ldy);
     });
-    return y;
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
+          int r = (int)std::min(rows_max, M - r0);
+          Rows rows{q.data() + r0 * K, dx.data() + r0 * KB, ms.data() + r0 * KB, sq.data() + r0 * KB, K, KB};
+          (q41 ? pick<true>(avx512, r) : pick<false>(avx512, r))(rows, wp + t * stride, yp + r0 * ldy + t * nb, ldy);
+        }
+    });
   }
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
-        int r = (int)std::min(rows_max, M - r0);
-        Rows rows{q.data_ptr<int8_t>() + r0 * K, dx.data_ptr<float>() + r0 * KB, ms.data_ptr<float>() + r0 * KB,
-                  sq.data_ptr<int32_t>() + r0 * KB, K, KB};
-        (q41 ? pick<true>(avx512, r) : pick<false>(avx512, r))(rows, wp + t * stride, yp + r0 * ldy + t * nb, ldy);
-      }
-  });
-  return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return n == ldy ? y.view(sizes) : y.narrow(1, 0, n).reshape(sizes);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {  // kernels release the GIL: the other lane's thread runs meanwhile
@@ -330,12 +336,5 @@ class Int8Blocks(Quantized):
            f"({isa()} kernel): a different target from the float32 one")
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.k)
-        y = self.multiply(flat if flat.is_contiguous() else flat.contiguous())
-        if y.shape[1] != self.n:
-            y = y[:, :self.n]
-        return y.reshape(*x.shape[:-1], self.n)
-
-    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.ext.qgemm8(rows, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows)
+        return self.ext.qgemm8(x, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows, self.n)
 
