@@ -246,3 +246,43 @@ def test_stretches_of_acceptance_give_long_blocks_after_a_full_accept_and_plain_
     late = chosen[len(chosen) // 2:]
     assert max(s for hot, s in late if hot) == 16
     assert sum(s == PLAIN for hot, s in late if not hot) > 0.5 * sum(1 for hot, _ in late if not hot)
+
+
+def test_a_plain_check_undoes_costs_cached_from_a_busier_moment():
+    """Costs cached with the decode step 3x too slow (a test suite ran beside the first run) and a draft
+    right 3 times in 10: blocks look best, so no plain step would ever show the true cost. After
+    PLAIN_CHECK_AFTER blocks the controller checks PLAIN_CHECK plain steps and decodes plainly from then on."""
+    costs = Costs(decode_s=3 * DECODE, verify_s={2: 1.3 * DECODE, 4: 1.7 * DECODE, 16: 5 * DECODE},
+                  draft_s={2: 0.4 * DECODE, 4: 0.45 * DECODE, 16: 0.6 * DECODE})
+    policy = AutoBlock(16, Memory(costs, 16))
+    policy.acceptance.reached, policy.acceptance.accepted = [30.0] * 15, [9.0] * 15
+    draws = iter(range(10**6))
+    accepts = lambda s: int(next(draws) % 3 == 0)  # noqa: E731
+    chosen = settle(policy, accepts, steps=AutoBlock.PLAIN_CHECK_AFTER + AutoBlock.PLAIN_CHECK)
+    assert PLAIN not in chosen[:AutoBlock.PLAIN_CHECK_AFTER] and policy.plain_checks == 1
+    assert chosen[AutoBlock.PLAIN_CHECK_AFTER:] == [PLAIN] * AutoBlock.PLAIN_CHECK
+    assert policy.memory.cost.plain_factor == pytest.approx(1 / 3)  # settle's plain steps take DECODE
+    later = settle(policy, accepts, steps=60)
+    assert later.count(PLAIN) > 0.7 * len(later) and set(later) == {PLAIN, 2}  # mostly plain; probes, short runs
+
+
+def test_blocks_that_pay_keep_their_plain_checks_rare():
+    policy = AutoBlock(16, Memory(cpu_like_costs(), 16))
+    chosen = settle(policy, lambda s: s - 1, steps=600)  # every draft right: blocks pay
+    checks = 1 + (600 - AutoBlock.PLAIN_CHECK_AFTER - AutoBlock.PLAIN_CHECK) // (AutoBlock.PLAIN_CHECK_EVERY + AutoBlock.PLAIN_CHECK)
+    assert policy.plain_checks == checks == 3 and chosen.count(PLAIN) == checks * AutoBlock.PLAIN_CHECK
+    assert policy.memory.cost.plain_factor == pytest.approx(1.0)
+
+
+def test_blocks_observed_after_a_plain_check_keep_its_ratio():
+    """What blocks show pulls the plain factor along (a busier machine slows both), but towards the ratio
+    the plain check measured, not back to the cached costs' ratio."""
+    from hetero_sd.decoding.controller import CostModel
+    model = CostModel(cpu_like_costs())
+    model.measured_plain([DECODE / 3] * AutoBlock.PLAIN_CHECK)
+    for _ in range(100):
+        model.observe(4, model.model(4))  # blocks at their modelled cost
+    assert model.plain_factor == pytest.approx(1 / 3, rel=0.01)
+    for _ in range(100):
+        model.observe(4, 2 * model.model(4))  # the machine got 2x busier than when the costs were measured
+    assert model.spec_factor == pytest.approx(2.0, rel=0.05) and model.plain_factor == pytest.approx(2 / 3, rel=0.05)

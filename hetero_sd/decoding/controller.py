@@ -15,11 +15,14 @@ spends what it cost beyond the plain steps it replaced (the draft's catch-up on 
 so failed probes cost at most that share of the time, across generations. A probe that pays earns
 its cost back. Probes come after GAP plain steps, or REPEAT_GAP when the text repeats itself (its
 last tokens occurred before in the prompt or the answer: code, lists and quotes are where drafts are
-right), once the budget covers one. Whatever is chosen, the target decides every token: the choice
-changes speed, never the output."""
+right), once the budget covers one. The other way round, a run of blocks observes no plain step: a
+runtime that has seen few takes PLAIN_CHECK of them after PLAIN_CHECK_AFTER blocks in a row (and every
+PLAIN_CHECK_EVERY blocks), whose median sets the plain cost outright. Whatever is chosen, the target
+decides every token: the choice changes speed, never the output."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 from dataclasses import dataclass, field
 
@@ -77,6 +80,7 @@ class CostModel:
     STALE = (2 / 3, 1.5)  # a plain factor settled outside this range: the measured costs are not this
     STALE_AFTER = 32  # machine's now (measured under load, or the machine changed); plain steps seen
     plain_seen: int = 0
+    ratio: float = 1.0  # plain_factor / spec_factor as the last plain check measured it (1: the cached costs')
 
     def step(self, size: int) -> float:
         if size == PLAIN:
@@ -100,11 +104,22 @@ class CostModel:
             self.plain_seen += 1
             self.plain_factor = self.moved(self.plain_factor, seconds / self.costs.decode_s)
             # a kind not chosen any more is never observed again: without this pull a stale, high
-            # estimate (a stall while it ran) would keep the controller away from it for good
-            self.spec_factor += self.SHARED * (self.plain_factor - self.spec_factor)
+            # estimate (a stall while it ran) would keep the controller away from it for good. The pull
+            # keeps the two kinds at the ratio a plain check measured: it must not undo that measurement
+            self.spec_factor += self.SHARED * (self.plain_factor / self.ratio - self.spec_factor)
         else:
             self.spec_factor = self.moved(self.spec_factor, seconds / self.model(size))
-            self.plain_factor += self.SHARED * (self.spec_factor - self.plain_factor)
+            self.plain_factor += self.SHARED * (self.ratio * self.spec_factor - self.plain_factor)
+
+    def measured_plain(self, seconds: list[float]) -> None:
+        """A deliberate check of a few plain steps in a row (AutoBlock's plain check): their median sets the
+        plain factor outright. It is a measurement, not one step that may have stalled, and the clip would
+        take dozens of steps to undo costs cached 3x off, steps the controller would spend speculating."""
+        if not self.learn:
+            return
+        self.plain_seen += len(seconds)
+        self.plain_factor = statistics.median(seconds) / self.costs.decode_s
+        self.ratio = self.plain_factor / self.spec_factor
 
     def moved(self, factor: float, ratio: float) -> float:
         low, high = self.CLIP  # relative to the factor, not to 1: costs cached under load converge too
@@ -234,6 +249,13 @@ class AutoBlock:
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
     RECHECK = 4  # plain steps between re-decisions in a plain stretch
     STATE_WEIGHT = 1.0  # steps' worth of the generation's overall rates behind each state's own rates
+    # Only plain steps show what a plain step costs. Costs cached from a busier moment (a test suite beside
+    # a first run) can make blocks look better than plain decoding for good: so after this many blocks in
+    # a row a runtime that has seen fewer than PLAIN_CHECK plain steps takes PLAIN_CHECK of them, and
+    # again after PLAIN_CHECK_EVERY blocks (~1.5% of the steps when blocks really pay).
+    PLAIN_CHECK = 4
+    PLAIN_CHECK_AFTER = 16
+    PLAIN_CHECK_EVERY = 256
 
     def __init__(self, max_size: int, memory: Memory, prompt_ids: list[int] = (), allow_plain: bool = True):
         self.max_size, self.memory, self.allow_plain = max_size, memory, allow_plain
@@ -248,6 +270,10 @@ class AutoBlock:
         self.plain_run = 0
         self.probing = False
         self.probes = self.probe_hits = 0
+        self.block_run = 0  # blocks since the last plain step
+        self.checking: list[float] | None = None  # a plain check's step times, while one runs
+        self.check_left = 0
+        self.plain_checks = 0
 
     # --- the choice -------------------------------------------------------------------------------
     def rates(self) -> list[float]:
@@ -280,13 +306,22 @@ class AutoBlock:
         return max(speeds, key=lambda s: (speeds[s], -s))
 
     def choose(self) -> int:
+        if self.check_left:  # a plain check under way
+            self.check_left -= 1
+            return PLAIN
         # In a plain stretch only plain steps are observed, which barely move the speeds; re-deciding
         # every RECHECK steps keeps the controller's own cost off steps that now take ~12 ms
         settled = 0 < self.plain_run and self.plain_run % self.RECHECK and not self.repeats.last
         best = PLAIN if settled else self.best()
         if best != PLAIN:
             self.plain_run = 0
+            self.block_run += 1
+            if self.plain_check_due():
+                self.block_run, self.checking, self.check_left = 0, [], self.PLAIN_CHECK - 1
+                self.plain_checks += 1
+                return PLAIN
             return best
+        self.block_run = 0
         if self.probe_due():
             # the smallest block: it asks only whether position 1 is right again, which is what
             # turns the state hot, at the least cost, so probes can come twice as often for the budget
@@ -295,6 +330,13 @@ class AutoBlock:
             return min(2, self.max_size)
         self.plain_run += 1
         return PLAIN
+
+    def plain_check_due(self) -> bool:
+        if not self.allow_plain:
+            return False
+        with self.memory.lock:
+            seen = self.memory.cost.plain_seen
+        return self.block_run > (self.PLAIN_CHECK_AFTER if seen < self.PLAIN_CHECK else self.PLAIN_CHECK_EVERY)
 
     def probe_due(self) -> bool:
         if self.plain_run < (self.REPEAT_GAP if self.repeats.last else self.GAP):
@@ -324,7 +366,13 @@ class AutoBlock:
 
     def observe_plain(self, seconds: float) -> None:
         with self.memory.lock:
-            self.memory.cost.observe(PLAIN, seconds)
+            if self.checking is None:
+                self.memory.cost.observe(PLAIN, seconds)
+            else:
+                self.checking.append(seconds)
+                if len(self.checking) == self.PLAIN_CHECK:
+                    self.memory.cost.measured_plain(self.checking)
+                    self.checking = None
             self.memory.earn(self.memory.cost.took(PLAIN, seconds), self.PROBE_BUDGET)
 
     def finish(self) -> dict:
@@ -334,5 +382,6 @@ class AutoBlock:
             costs = self.memory.cost.to_dict()
             credit = self.memory.probe_credit
         return {"costs": costs, "probes": self.probes, "probes_that_paid": self.probe_hits,
+                "plain_checks": self.plain_checks,
                 "probe_credit_s": round(credit, 4),
                 "acceptance_prior": [round(p, 3) for p in self.prior]}
