@@ -286,3 +286,14 @@ def test_blocks_observed_after_a_plain_check_keep_its_ratio():
     for _ in range(100):
         model.observe(4, 2 * model.model(4))  # the machine got 2x busier than when the costs were measured
     assert model.spec_factor == pytest.approx(2.0, rel=0.05) and model.plain_factor == pytest.approx(2 / 3, rel=0.05)
+
+
+def test_a_bench_row_counts_the_controllers_probes_and_plain_checks():
+    from types import SimpleNamespace
+
+    from hetero_sd.bench.runner import controller_row
+    runs = [SimpleNamespace(controller={"probes": 2, "probes_that_paid": 1, "plain_checks": 1}),
+            SimpleNamespace(controller=None), SimpleNamespace(controller={"probes": 3, "probes_that_paid": 0, "plain_checks": 0})]
+    row = controller_row(runs)["controller"]
+    assert (row["probes"], row["probes_that_paid"], row["plain_checks"]) == (5, 1, 1)
+    assert controller_row([SimpleNamespace(controller=None)]) == {}

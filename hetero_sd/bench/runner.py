@@ -142,12 +142,14 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
 
 
 def controller_row(stats) -> dict:
-    """What the controller did over the run (block "auto"): its probes, and the costs it used at the end."""
+    """What the controller did over the run (block "auto"): its probes and plain checks, and the costs it
+    used at the end."""
     seen = [s.controller for s in stats if s.controller]
     if not seen:
         return {}
     return {"controller": {"probes": sum(c["probes"] for c in seen),
                            "probes_that_paid": sum(c["probes_that_paid"] for c in seen),
+                           "plain_checks": sum(c.get("plain_checks", 0) for c in seen),
                            "last": seen[-1]}}
 
 
