@@ -33,6 +33,12 @@ SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+static double sum_squares_in_order(const float* x, int64_t H) {
+  double s = 0.0;
+  for (int64_t i = 0; i < H; ++i) s += (double)x[i] * (double)x[i];
+  return s;
+}
+
 #if defined(__x86_64__)
 // sum of x^2 in double: 8 lanes (two chains of 4) over i in steps of 8, then a fixed tree, then the tail
 // in order. x^2 is exact in double, so each fma rounds once, as s + x*x would.
@@ -53,20 +59,14 @@ __attribute__((target("avx2,fma"))) static double sum_squares(const float* x, in
 }
 static bool has_avx2() { static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); return yes; }
 #else
-static double sum_squares(const float* x, int64_t H) {
-  double s = 0.0;
-  for (int64_t i = 0; i < H; ++i) s += (double)x[i] * (double)x[i];
-  return s;
-}
+static double sum_squares(const float* x, int64_t H) { return sum_squares_in_order(x, H); }
 static bool has_avx2() { return false; }
 #endif
 
 // y = w * (x * 1/sqrt(mean(x^2) + eps)) for one row of H floats (sum in double: order fixed, accurate).
 // Machines without AVX2 sum in order: another order, but every row of a machine sums the same way.
 static inline void norm_row(const float* x, const float* w, double eps, int64_t H, float* y) {
-  double s = 0.0;
-  if (has_avx2()) s = sum_squares(x, H);
-  else for (int64_t i = 0; i < H; ++i) s += (double)x[i] * (double)x[i];
+  const double s = has_avx2() ? sum_squares(x, H) : sum_squares_in_order(x, H);
   const float r = (float)(1.0 / std::sqrt(s / (double)H + eps));
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
 }

@@ -47,9 +47,8 @@ SOURCE = r"""
 
 // Per block of 32 inputs and per output lane: S = sum_i x_i q_i (Q4_1: q_i - 8; two chains: low nibbles /
 // even inputs, high nibbles / odd inputs, added at the end of the block), then y += d*S (+ (m + 8d)*X for
-// Q4_1, X = the block's sum of x, taken once per row). That is x . (d*q + m) regrouped: no weight is dequantized, which saves two
-// of the nine vector ops per 32 weights (a decode step is bound by them, not by memory). Every lane takes
-// the same operations in the same order whatever the number of rows and on either ISA.
+// Q4_1, X = the block's sum of x, taken once per row): x . (d*q + m) regrouped (see the module's doc).
+// Every lane takes the same operations in the same order whatever the number of rows and on either ISA.
 
 // ---- AVX-512: NB = 16 output columns per tile, one zmm per row and accumulator ----
 template <int R>
