@@ -106,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
 
     from hetero_sd.train.command import add_parser as add_train_parser
     add_train_parser(sub)
+    from .serve import add_parser as add_serve_parser
+    add_serve_parser(sub, add_model_args, add_sampling_args)
 
     sub.add_parser("devices", help="devices this machine can run")
     f = sub.add_parser("fetch", help="prepare a model: 'default' converts the embedded GGUF; org/name downloads")
@@ -256,16 +258,21 @@ def cmd_fetch(args) -> None:
         print(hub_snapshot(args.model, "model", download=True, fetching=True))
 
 
+def cmd_serve(args) -> int:
+    from .serve import cmd_serve as serve
+    return serve(args)
+
+
 def cmd_train_draft(args) -> None:
     from hetero_sd.train.command import train_command
     train_command(args)
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,
-            "train-draft": cmd_train_draft}
+            "train-draft": cmd_train_draft, "serve": cmd_serve}
 
 
-CHECKED = ("generate", "bench", "chat")  # train-draft checks its own arguments
+CHECKED = ("generate", "bench", "chat", "serve")  # train-draft checks its own arguments
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,66 @@
+"""`hetero-sd serve`: the OpenAI-compatible server (hetero_sd/server/) on one loaded runtime."""
+
+from __future__ import annotations
+
+import os
+
+from hetero_sd import validate
+from hetero_sd.errors import InvalidArgumentError
+
+from .common import err, load_runtime
+
+
+def add_parser(sub, add_model_args, add_sampling_args) -> None:
+    """The model, device, schedule and dtype flags are generate's (passed in from main.py); the sampling
+    flags set the defaults for fields a request leaves out."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, SSE, metrics)")
+    add_model_args(s, "default")
+    add_sampling_args(s, 256)
+    s.add_argument("--schedule", default="sequential", help="sequential or overlap")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: loopback only; 0.0.0.0 exposes the server to the network)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $HETERO_SD_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None, help="the model id in /v1/models (default: the target's name)")
+    s.add_argument("--workers", type=int, default=4,
+                   help="generations in flight at once (interleaved on the devices; each holds its own caches)")
+    s.add_argument("--queue", type=int, default=16, help="requests that may wait for a worker; more get a 429")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds SIGTERM/Ctrl-C lets requests in flight finish before cancelling them")
+
+
+def check(args) -> None:
+    from hetero_sd.runtime import check_schedule
+
+    if check_schedule(args.schedule) == "pipeline":
+        raise InvalidArgumentError("--schedule pipeline is for bench's request pairs",
+                                   "use --schedule sequential or overlap (concurrent requests interleave anyway)")
+    validate.integer("--port", args.port, 0, "pass a TCP port from 0 to 65535 (0: any free port)")
+    if args.port > 65535:
+        raise InvalidArgumentError(f"--port {args.port} is not a TCP port", "pass a port from 0 to 65535")
+    validate.integer("--workers", args.workers, 1, "pass 1 or more workers")
+    validate.integer("--queue", args.queue, 0, "pass 0 or more queued requests")
+    if not args.shutdown_timeout >= 0:
+        raise InvalidArgumentError(f"--shutdown-timeout {args.shutdown_timeout} is negative", "pass seconds >= 0")
+
+
+def cmd_serve(args) -> int:
+    from hetero_sd.server import Settings, model_name, serve
+
+    check(args)
+    api_key = args.api_key or os.environ.get("HETERO_SD_API_KEY") or None
+    rt = load_runtime(args, [args.schedule])
+    for note in rt.notes:
+        err.print(f"[yellow]note:[/] {note}")
+    settings = Settings(args.served_model_name or model_name(rt), api_key, args.workers, args.queue,
+                        args.max_new_tokens, dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                                  seed=args.seed, rule=args.rule))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
+    err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "
+              f"({'API key required' if api_key else 'no API key'})[/]")
+    status = serve(rt, settings, host=args.host, port=args.port, shutdown_s=args.shutdown_timeout)
+    if status:
+        err.print("[yellow]terminated[/]: requests in flight finished or were cancelled; the server stopped cleanly")
+    return status
