@@ -13,7 +13,7 @@ import torch
 
 from hetero_sd import validate
 from hetero_sd.backends.base import DraftBackend, TargetBackend
-from hetero_sd.backends.placement import draft_backend, draft_dtype_for, dtype_name, target_backend
+from hetero_sd.backends.placement import draft_backend, draft_dtype_for, dtype_name, stored_dtype
 from hetero_sd.devices import check_device, cpu_bound
 from hetero_sd.errors import ConfigError, ModelNotFoundError
 from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
@@ -22,6 +22,7 @@ from hetero_sd.models.draft_init import draft_config, pick_mask_token, random_dr
 from hetero_sd.models.weights import load_weights, take
 
 from .default_model import DEFAULT_TARGET
+from .families import load_target, target_config
 from .pairing import check_pair, feature_layers
 from .sources import resolve_folder, resolve_target, source_gguf
 
@@ -51,13 +52,13 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     draft_device = check_device(draft_device or target_device, "draft")
     validate.threads(cpu_threads)
     folder = resolve_target(target)
-    tcfg = ArchConfig.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
+    tcfg, path = target_config(folder)  # families.py: our fast layers, or transformers' model class
     tokenizer = load_tokenizer(folder)
     info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
-            "gguf": source_gguf(target), "notes": []}
+            "gguf": source_gguf(target), "notes": [], "target_path": path}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
-        t = target_backend(folder, tcfg, target_device, dtype, (), max_context, info["notes"])
+        t = load_target(folder, tcfg, path, target_device, dtype, (), max_context, info["notes"])
         info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
         info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
         return Loaded(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, target_folder=folder)
@@ -71,11 +72,12 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
     if isinstance(block_size, int):
         dcfg.block_size = int(block_size)
-    t = target_backend(folder, tcfg, target_device, dtype, layer_ids, max_context, info["notes"])
+    t = load_target(folder, tcfg, path, target_device, dtype, layer_ids, max_context, info["notes"])
     info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
     info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
-    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device), mask,
-                      tensors, info["notes"])
+    stored = torch.bfloat16 if dfolder is None else stored_dtype(tensors)  # a random draft holds bf16 values
+    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored),
+                      mask, tensors, info["notes"])
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
     info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
                 draft_device=draft_device, block_size=dcfg.block_size,
