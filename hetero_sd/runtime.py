@@ -29,6 +29,7 @@ from hetero_sd.decoding.timeline import Timeline
 from hetero_sd.devices import cpu_bound
 from hetero_sd.errors import ConfigError, DeviceFailedError, PromptTooLongError, RuntimeClosedError
 from hetero_sd.loading.loader import load_models
+from hetero_sd.loading.templates import ChatOptions, chat_ids, chat_options
 
 Prompt = str | Sequence[int] | Sequence[dict]
 SCHEDULES = decoding.SCHEDULES + ("pipeline",)
@@ -104,6 +105,8 @@ class Runtime:
     threads or as interleaved `stream` iterators; each gets its own caches (Slots) and the device lanes
     serialise the work, so every output is what that generation would produce alone."""
 
+    chat_options = ChatOptions()  # system prompt and chat-template kwargs for chat prompts (templates.py)
+
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
                  memory: Memory | None = None):
@@ -124,25 +127,22 @@ class Runtime:
     def block_size(self) -> int:
         return self.draft.block_size if self.draft else 1
 
-    def encode(self, prompt: Prompt, chat: bool = True) -> tuple[list[int], list[str]]:
+    def encode(self, prompt: Prompt, chat: bool = True, options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
         """Token ids for a prompt (checked: types, UTF-8, ids in the vocabulary, not empty); notes say
-        what was done that the caller might not expect."""
-        ids, notes = self.tokenize(validate.prompt(prompt), chat)
+        what was done that the caller might not expect. options: the chat template's (else the runtime's)."""
+        ids, notes = self.tokenize(validate.prompt(prompt), chat, options or self.chat_options)
         return validate.token_ids(ids, self.target.config.vocab_size), notes
 
-    def tokenize(self, prompt: Prompt, chat: bool) -> tuple[list[int], list[str]]:
+    def tokenize(self, prompt: Prompt, chat: bool, options: ChatOptions) -> tuple[list[int], list[str]]:
         if isinstance(prompt, str) and not chat:
             return self.tokenizer.encode(prompt, add_special_tokens=True), []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            if not self.tokenizer.chat_template:
-                text = "\n".join(m["content"] for m in messages)
-                return self.tokenizer.encode(text), ["the tokenizer has no chat template: prompt used as plain text"]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), []
+            return chat_ids(self.tokenizer, messages, options)
         return list(prompt), []
 
     def stream(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
+               system_prompt: str | None = None, chat_template_kwargs: dict | None = None,
                **kwargs) -> Iterator[StreamEvent]:
         """Yield one event per verify step (per token without a draft). The last event's stats are final.
 
@@ -152,7 +152,7 @@ class Runtime:
         "fixed" or a size up to the draft's), timeline=None (record into this one)."""
         self.check_open()
         prompt = validate.prompt(prompt)
-        prompt_ids, notes = self.encode(prompt, chat)
+        prompt_ids, notes = self.encode(prompt, chat, self.chat_options.override(system_prompt, chat_template_kwargs))
         return self.decode(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def decode(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
@@ -229,11 +229,13 @@ class Runtime:
         stats.notes.append(forget_costs(self.info["cost_key"], factor))
 
     def generate(self, prompt: Prompt, *, chat: bool = True, stop_at_eos: bool | None = None,
+                 system_prompt: str | None = None, chat_template_kwargs: dict | None = None,
                  **kwargs) -> Generation:
-        """Generate to the end; keyword arguments as for `stream`."""
+        """Generate to the end; keyword arguments as for `stream`. system_prompt and chat_template_kwargs
+        (e.g. {"enable_thinking": False}) apply to a chat prompt, over the runtime's chat_options."""
         self.check_open()
         prompt = validate.prompt(prompt)
-        prompt_ids, notes = self.encode(prompt, chat)
+        prompt_ids, notes = self.encode(prompt, chat, self.chat_options.override(system_prompt, chat_template_kwargs))
         return self.collect(prompt_ids, notes, stops_at_eos(prompt, stop_at_eos), **kwargs)
 
     def draft_step(self, prompt_ids: Sequence[int]) -> DraftStep:
@@ -376,7 +378,8 @@ def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
          block_size: int | str | None = None,
-         max_context: int | None = None, cpu_threads: int | None = None) -> Runtime:
+         max_context: int | None = None, cpu_threads: int | None = None,
+         system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
 
     target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default" (for the draft:
@@ -391,18 +394,24 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
     under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
-    or a size from 2 to the draft's own, used on every step."""
+    or a size from 2 to the draft's own, used on every step. draft="auto": the published draft of a
+    known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
+    """
     check_schedule(schedule)
+    options = chat_options(system_prompt, chat_template_kwargs)  # checked before any model work
     loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,
                          dtype=dtype, draft_dtype=draft_dtype, block_size=block_size, max_context=max_context,
                          cpu_threads=cpu_threads)
     t, d, info = loaded.target, loaded.draft, loaded.info
     if d is None:
-        return Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
+        rt = Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
+        rt.chat_options = options
+        return rt
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
                                 f"{backend_dtype(t)}/{info['draft_dtype']}", d.block_size, code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block)
+    rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
     return rt

@@ -13,6 +13,7 @@ from rich.table import Table
 from hetero_sd import validate
 from hetero_sd.errors import HeteroSDError, InvalidArgumentError, OutputPathError
 from hetero_sd.decoding.timeline import chrome_trace
+from hetero_sd.loading.templates import chat_options, parse_kwargs
 
 from .common import STATE, Terminated, block_arg, err, interrupted_status, load_runtime, on_sigterm, write_json
 
@@ -23,7 +24,8 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p", "top_k": "--t
 def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--target", default="default", help="HF folder, hub id org/name, .gguf file, or 'default'")
     p.add_argument("--draft", default=draft_default,
-                   help="DFlash draft folder or hub id; 'default' (the shipped one), 'random' (untrained), 'none'")
+                   help="DFlash draft folder or hub id; 'default' (the shipped one), 'auto' (the published draft "
+                        "of a known target: loading/pairs.py), 'random' (untrained), 'none'")
     p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
     p.add_argument("--draft-device", default=None,
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
@@ -33,6 +35,10 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
                         "measured costs and acceptance), 'fixed' (the draft's own) or a block size")
+    p.add_argument("--system-prompt", default=None, help="a system message put before chat prompts")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help="""JSON object for the chat template, e.g. '{"enable_thinking": false}' (Qwen3's drafts """
+                        "were trained on non-thinking answers)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per lane (default: all cores; half each when both lanes share the CPU "
                         "and a schedule runs them at once)")
@@ -134,6 +140,9 @@ def check_args(args) -> None:
         if isinstance(args.block_size, int) and args.block_size < 2:
             raise InvalidArgumentError(f"--block-size {args.block_size} leaves no room for drafts",
                                        "use a block size >= 2 (up to the draft's own), or 'auto'")
+        if getattr(args, "chat_template_kwargs", None) is not None:  # JSON text -> dict, checked
+            args.chat_template_kwargs = chat_options(args.system_prompt, parse_kwargs(args.chat_template_kwargs)
+                                                     ).template_kwargs
         if hasattr(args, "prompt"):
             validate.text(args.prompt)
             if not args.prompt:
@@ -212,7 +221,8 @@ def cmd_chat(args) -> int:
 
     kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-                  block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads)
+                  block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads,
+                  system_prompt=args.system_prompt, chat_template_kwargs=args.chat_template_kwargs)
     app = ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens, save_dir=args.save_dir)
     app.run()
     return app.return_code or 0  # Textual sets 1 when the app failed

@@ -24,6 +24,7 @@ from hetero_sd.models.weights import load_weights, take
 from .default_model import DEFAULT_TARGET
 from .families import load_target, target_config
 from .pairing import check_pair, feature_layers
+from .pairs import auto_draft
 from .sources import resolve_folder, resolve_target, source_gguf
 
 RANDOM_DRAFT_LAYERS = 2
@@ -126,6 +127,9 @@ def default_draft(draft: str | None, target: str, notes: list[str]) -> str | Non
     else the weaker "cpu-trained" one, which the block-size controller keeps from slowing decoding down."""
     if draft in (None, "none"):
         return None
+    if draft == "auto":  # the published draft of a known target (pairs.py)
+        draft = "default" if target == "default" else auto_draft(target)
+        notes.append(f"draft 'auto': {draft}, the draft published for {target}")
     if draft not in SHIPPED_DRAFTS:
         return draft
     if target == "default":
