@@ -37,9 +37,17 @@ def default_target_folder() -> Path:
 
 def gguf_folder(gguf: Path) -> Path:
     """Converted copy of any GGUF file, keyed by its path, size and mtime."""
+    return ensure_converted(gguf, converted_path(gguf))
+
+
+def converted_path(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return ensure_converted(gguf, home() / "gguf" / f"{gguf.stem}-{key}")
+    return home() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def is_converted(gguf: Path) -> bool:
+    return (converted_path(gguf) / _DONE).is_file()
 
 
 def ensure_converted(gguf: Path, folder: Path) -> Path:

@@ -21,9 +21,10 @@ from hetero_sd.models.draft_format import check_tensors
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, random_draft_tensors
 from hetero_sd.models.weights import load_weights, take
 
-from .default_model import DEFAULT_TARGET
+from .default_model import DEFAULT_TARGET, is_converted
 from .families import load_target, target_config
 from .pairing import check_pair, feature_layers
+from .gguf_memory import gguf_notes
 from .pairs import auto_draft
 from .sources import resolve_folder, resolve_target, source_gguf
 
@@ -52,11 +53,12 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     target_device = check_device(target_device, "target")
     draft_device = check_device(draft_device or target_device, "draft")
     validate.threads(cpu_threads)
+    notes = gguf_target_notes(target, target_device, dtype)  # refused here if it cannot fit, before converting
     folder = resolve_target(target)
     tcfg, path = target_config(folder)  # families.py: our fast layers, or transformers' model class
     tokenizer = load_tokenizer(folder)
     info = {"target": str(folder), "target_device": target_device, "draft": None, "draft_device": None,
-            "gguf": source_gguf(target), "notes": [], "target_path": path}
+            "gguf": source_gguf(target), "notes": notes, "target_path": path}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
         t = load_target(folder, tcfg, path, target_device, dtype, (), max_context, info["notes"])
@@ -115,6 +117,13 @@ def set_cpu_threads(threads: int | None, schedule: str, target_device: str, draf
                          f"torch uses {threads} thread(s) per lane so they do not oversubscribe the cores")
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def gguf_target_notes(target: str, device: str, dtype) -> list[str]:
+    if target == "default" or not target.endswith(".gguf"):
+        return []
+    gguf = Path(target).expanduser()
+    return gguf_notes(target, device, dtype, gguf.is_file() and is_converted(gguf))
 
 
 def shipped(name: str):

@@ -29,7 +29,7 @@ def pick_mask_token(tokenizer) -> int:
 def draft_config(target: ArchConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                  layer_ids: list[int] | None = None) -> dict:
     """A Qwen3-style draft at the target's width (it shares the target's embedding and lm_head)."""
-    layer_ids = layer_ids or fallback_layer_ids(target.num_hidden_layers, min(5, target.num_hidden_layers))
+    layer_ids = layer_ids or random_layer_ids(target.num_hidden_layers)
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "block_size": block_size,
@@ -42,6 +42,16 @@ def draft_config(target: ArchConfig, *, num_layers: int, block_size: int, mask_t
         "tie_word_embeddings": False, "layer_types": ["full_attention"] * num_layers,
         "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
     }
+
+
+def random_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """The reference's rule where it gives distinct layers of the target; below 8 layers it repeats
+    layers or leaves the target (2 layers: [1, -1]), so evenly spaced distinct layers there."""
+    count = min(count, num_layers)
+    ids = fallback_layer_ids(num_layers, count)
+    if len(set(ids)) == len(ids) and all(0 <= i < num_layers for i in ids):
+        return ids
+    return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
 
 
 def random_draft_tensors(config: dict, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
