@@ -53,7 +53,17 @@ def add_parser(sub) -> None:
     t.add_argument("--device", default="cpu", help="cpu, cuda or mps: where the draft trains")
     t.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto",
                    help="bf16 autocast (auto: on CUDA with bf16, float32 elsewhere)")
-    t.add_argument("--anchors", type=int, default=24)
+    t.add_argument("--anchors", type=int, default=0,
+                   help="blocks per sequence per step: 0 (default) trains every response token, N: N random ones")
+    t.add_argument("--attention", choices=["auto", "split", "dense"], default="auto",
+                   help="split: block-vs-context + within-block attention (train/fast.py); dense: one masked "
+                        "matrix (--pack, other draft formats); auto: split where it applies")
+    t.add_argument("--feature-cache", metavar="DIR",
+                   help="keep the target's features on disk in DIR (bf16, ~5.8 KB per token for SmolLM2; "
+                        "resumable, shared by runs): each sequence's target forward runs once")
+    t.add_argument("--cache-features", action="store_true",
+                   help="with --distill and --feature-cache: only compute the features of every sequence "
+                        "(resumable, progress in DIR/progress.json), do not train")
     t.add_argument("--vocab", choices=["data", "full"], default="data",
                    help="softmax of the loss over the answers' tokens (~3x cheaper steps) or all tokens")
     t.add_argument("--soft", type=float, default=0.0,
@@ -79,13 +89,17 @@ def train_command(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if args.generate_only and not args.distill:
         raise ConfigError("--generate-only makes --distill data", "add --distill DIR")
-    if not args.out and not args.generate_only:
+    if args.cache_features and not (args.distill and args.feature_cache):
+        raise ConfigError("--cache-features fills a feature cache from --distill data", "add --distill DIR --feature-cache DIR")
+    if not args.out and not args.generate_only and not args.cache_features:
         raise ConfigError("train-draft needs --out for the trained draft", "add --out DIR")
     target = resolve_target(args.target)
     if args.distill:
         rows = distill_rows(target, Path(args.distill), args)
         if args.generate_only:
             return
+        if args.cache_features:
+            return cache_features(target, rows, args)
     else:
         rows = jsonl_rows(target, Path(args.out), args)
     train_on(target, rows, Path(args.out), args)
@@ -120,6 +134,21 @@ def jsonl_rows(target: Path, out: Path, args: argparse.Namespace) -> list[dict]:
     return load_rows(data)
 
 
+def cache_features(target: Path, rows: list[dict], args: argparse.Namespace) -> None:
+    """Every sequence's target features into --feature-cache (hours at scale: a background job; rerun to
+    resume). The held-out rows are included: the trainer's evaluation reads them too."""
+    from hetero_sd.models.config import ArchConfig, read_json
+    from .features import FeatureStore, fill
+    from .trainer import FeatureCache, choose_layers
+    tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
+    layer_ids = choose_layers(tcfg.num_hidden_layers, args.layers)
+    folder = Path(args.feature_cache)
+    store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size)
+    features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device)
+    fill(store, rows, lambda ids: features.compute(ids)[0], progress=folder / "progress.json",
+         log=lambda line: err.print(line, highlight=False, soft_wrap=True))
+
+
 def init_folder(name: str) -> str:
     from ..loading.loader import SHIPPED_DRAFTS, shipped
     folder = (shipped(name) if name in SHIPPED_DRAFTS else None) or Path(name)
@@ -134,7 +163,8 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       accumulate=args.accumulate, anchors=args.anchors, eval_every=args.eval_every, seed=args.seed,
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
-                      pack=args.pack, device=args.device, autocast=args.autocast)
+                      pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
+                      feature_cache=args.feature_cache)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -1,14 +1,17 @@
 """The training loop for `hetero-sd train-draft`.
 
 Data: prompts answered by the target itself (train/data.py). Features: the target's hidden states at the
-draft's layers, computed once per sequence with our torch target and kept in memory (bf16). Each step
-samples random anchors among response tokens, runs all blocks of a sequence in one forward with the
-block mask, and weights the cross-entropy at block position k by exp(-(k-1)/gamma)."""
+draft's layers, computed once per sequence with our torch target, kept in memory (bf16) and, with a
+feature cache, on disk (train/features.py) so later epochs never run the target again. Each step trains
+every anchor among a sequence's response tokens (or `anchors` random ones), all blocks of a sequence in one
+forward with attention split into block-vs-context and within-block parts (train/fast.py), and weights
+the cross-entropy at block position k by exp(-(k-1)/gamma), computed in chunks (train/loss.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
 import random
 import time
 import zlib
@@ -24,6 +27,9 @@ from hetero_sd.errors import ConfigError
 from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, write_draft
 
+from .fast import SplitForward, supports
+from .features import FeatureStore
+from .loss import chunked_cross_entropy
 from .model import TrainingDraft, TrainingVocab
 
 
@@ -34,8 +40,8 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 6e-4
     warmup: int = 50
-    accumulate: int = 4  # sequences per optimizer step
-    anchors: int = 24  # blocks per sequence per step (fewer if the response is short)
+    accumulate: int = 4  # sequences per optimizer step (the effective batch: gradients accumulate over them)
+    anchors: int = 0  # blocks per sequence per step: 0 = every response token with a successor, else N random
     gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
     held_out: int = 24
     eval_every: int = 100
@@ -47,7 +53,9 @@ class TrainConfig:
     snapshots: bool = False  # keep the draft of every evaluation (OUT/snapshots/step-N): a learning curve
     pack: int = 1  # sequences per forward, packed end to end (the step's `accumulate` split into packs)
     device: str = "cpu"  # "cpu", "cuda" or "mps": where the draft trains and the target makes features
-    autocast: str = "auto"  # "bf16", "off", or "auto": bf16 where the device computes it natively (CUDA)
+    autocast: str = "auto"  # "bf16", "off", or "auto": bf16 where the device computes it natively
+    attention: str = "auto"  # "split" (train/fast.py), "dense" (one masked matrix), auto: split where it applies
+    feature_cache: str | None = None  # a folder: target features kept on disk across epochs and runs
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -61,14 +69,38 @@ class FeatureCache:
     seen only a few times, so recomputing costs little over caching."""
 
     def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", disk: Path | None = None):
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
         self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids)
         self.store: OrderedDict[int, tuple] = OrderedDict()
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
+        # On disk: features only (soft labels need the target's logits, so they run the target anyway).
+        self.disk = None if disk is None or top_k else FeatureStore.for_target(
+            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size)
+        self.computed, self.compute_cpu_s = 0, 0.0  # target forwards run, and their CPU seconds
 
-    def __call__(self, index: int, tokens: list[int]) -> torch.Tensor:
+    def __call__(self, index: int, tokens: list[int], key: str | None = None) -> torch.Tensor:
+        if self.disk is not None and index not in self.store:
+            key = key or f"row:{index}"
+            stored = self.disk.get(key, tokens)
+            if stored is None:
+                stored = self.compute(tokens)[0]
+                self.disk.put(key, tokens, stored)
+            return stored.to(self.target.device).float()
         return self.entry(index, tokens)[0].float()
+
+    def compute(self, tokens: list[int]) -> tuple:
+        """The target's forward: features (bf16) and, with top_k, its top-k log-probabilities and ids."""
+        cpu0 = time.process_time()
+        self.target.crop(0)
+        out = self.target.forward(tokens, last_only=self.top_k == 0)
+        entry = (out.features.to(torch.bfloat16),)
+        if self.top_k:
+            logp, ids = out.logits.log_softmax(-1).topk(self.top_k, -1)
+            entry += (logp.to(torch.bfloat16), ids.to(torch.int32))
+        self.computed += 1
+        self.compute_cpu_s += time.process_time() - cpu0
+        return entry
 
     def teacher(self, index: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's top-k log-probabilities and token ids [S, k] at every position (position p: the
@@ -80,12 +112,7 @@ class FeatureCache:
         if index in self.store:
             self.store.move_to_end(index)
             return self.store[index]
-        self.target.crop(0)
-        out = self.target.forward(tokens, last_only=self.top_k == 0)
-        entry = (out.features.to(torch.bfloat16),)
-        if self.top_k:
-            logp, ids = out.logits.log_softmax(-1).topk(self.top_k, -1)
-            entry += (logp.to(torch.bfloat16), ids.to(torch.int32))
+        entry = self.compute(tokens)
         self.store[index] = entry
         self.bytes += sum(t.numel() * t.element_size() for t in entry)
         while self.bytes > self.budget and len(self.store) > 1:
@@ -153,7 +180,10 @@ def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
 
 
 def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int) -> torch.Tensor:
-    choices = list(range(prompt_len, seq_len - 1))  # anchors are response tokens with a successor
+    """`count` random anchors among the response tokens with a successor; all of them for count 0."""
+    choices = list(range(prompt_len, seq_len - 1))
+    if count <= 0:
+        return torch.tensor(choices, dtype=torch.long)
     return torch.tensor(sorted(rng.sample(choices, min(count, len(choices)))), dtype=torch.long)
 
 
@@ -186,7 +216,7 @@ def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, f
         row = rng.choice(rows)
         ids = row["prompt_ids"] + row["response_ids"]
         chosen = sample_anchors(rng, len(row["prompt_ids"]), len(ids), anchors)
-        parts["features"].append(features(row["index"], ids))
+        parts["features"].append(features(row["index"], ids, row.get("key")))
         parts["tokens"].append(torch.tensor(ids))
         parts["anchors"].append(chosen + offset)
         parts["starts"].append(torch.full_like(chosen, offset))
@@ -201,13 +231,25 @@ def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, f
     return Batch(cat["features"], cat["tokens"], cat["anchors"], cat["starts"], cat["ends"], teacher)
 
 
-def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | None = None, soft: float = 0.0):
+def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | None = None, soft: float = 0.0,
+            split: SplitForward | None = None):
     """Cross-entropy at each block position, weighted by position; with the batch's teacher (the target's
     top-k log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's
-    own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows)."""
+    own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows).
+    With `split` (one sequence per batch) the forward is train/fast.py's and, for hard labels, the
+    cross-entropy is computed in chunks without holding every block's logits."""
     labels = block_labels(batch.tokens, batch.anchors, model.block_size, batch.ends)
-    head = None if vocab is None else vocab.head
-    logits = model.logits(model(batch.features, batch.tokens, batch.anchors, batch.starts), head)
+    head = model.lm_head if vocab is None else vocab.head
+    if split is not None:
+        hidden = split(batch.features, batch.tokens, batch.anchors)
+    else:
+        hidden = model(batch.features, batch.tokens, batch.anchors, batch.starts)
+    if split is not None and not (batch.teacher is not None and soft > 0):
+        hard_labels = labels if vocab is None else vocab.labels(labels)
+        w = weights.expand_as(labels) * (hard_labels != -100)
+        total = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head, hard_labels.flatten(), w.flatten())
+        return total / w.sum().clamp_min(1e-9)
+    logits = model.logits(hidden, head)
     logq = logits.float().log_softmax(-1)
     hard_labels = labels if vocab is None else vocab.labels(labels)
     ce = -logq.gather(-1, hard_labels.clamp_min(0)[..., None])[..., 0]
@@ -228,10 +270,28 @@ def train_device(name: str, autocast: str) -> tuple[str, torch.dtype | None]:
                           "install a torch build for it, or train with --device cpu")
     if autocast not in ("auto", "bf16", "off"):
         raise ConfigError(f"--autocast {autocast}: unknown", "use --autocast auto, bf16 or off")
-    if autocast == "auto":  # CUDA tensor cores compute bf16 natively; elsewhere float32 measured as fast
-        native = name == "cuda" and torch.cuda.is_bf16_supported()
-        return name, torch.bfloat16 if native else None
+    if autocast == "auto":  # bf16 where the hardware computes it natively; emulated bf16 is slower
+        return name, torch.bfloat16 if native_bf16(name) else None
     return name, torch.bfloat16 if autocast == "bf16" else None
+
+
+def native_bf16(device: str) -> bool:
+    """CUDA with bf16, or a CPU with AVX512-BF16 or AMX (an AVX2-only CPU, such as the 2-core EPYC this
+    project is developed on, converts bf16 in software: float32 stays faster there)."""
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device == "cpu":
+        cpu = torch.cpu
+        return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return False
+
+
+def autocast_note(device: str, autocast: torch.dtype | None, asked: str) -> str:
+    if autocast is not None:
+        return f"bf16 autocast ({asked}), float32 master weights"
+    if asked == "off":
+        return "float32 (--autocast off)"
+    return f"float32: no native bf16 on this {device}" + (" (AVX2 only)" if device == "cpu" else "")
 
 
 def soft_ce(logq, teacher, anchors, block: int, vocab: TrainingVocab | None) -> torch.Tensor:
@@ -248,7 +308,7 @@ def soft_ce(logq, teacher, anchors, block: int, vocab: TrainingVocab | None) -> 
 
 
 @torch.no_grad()
-def held_out_tau(model: TrainingDraft, rows, features) -> float:
+def held_out_tau(model: TrainingDraft, rows, features, split: SplitForward | None = None) -> float:
     """Greedy acceptance on held-out sequences: anchors every B tokens, leading correct drafts + bonus."""
     lengths = []
     for row in rows:
@@ -258,7 +318,8 @@ def held_out_tau(model: TrainingDraft, rows, features) -> float:
         if not len(anchors):
             continue
         labels = block_labels(tokens, anchors, b)
-        guess = model.logits(model(features(row["index"], tokens.tolist()), tokens, anchors)).argmax(-1)
+        forward = split or model
+        guess = model.logits(forward(features(row["index"], tokens.tolist(), row.get("key")), tokens, anchors)).argmax(-1)
         right = (guess == labels).int().cumprod(-1).sum(-1)
         lengths += (right + 1).tolist()
     return sum(lengths) / max(len(lengths), 1)
@@ -275,64 +336,123 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
     device, autocast = train_device(cfg.device, cfg.autocast)
-    features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device)
+    features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device,
+                            disk=Path(cfg.feature_cache) if cfg.feature_cache else None)
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
+    split = attention_path(model, cfg)
     held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
     train_rows = [r for r in rest if len(r["response_ids"]) > 1]
     vocab = TrainingVocab(train_rows, model.lm_head) if cfg.vocab == "data" else None
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, cfg))
     out.mkdir(parents=True, exist_ok=True)
     start, checkpoint = 0, out / "checkpoint.pt"
     if resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
+        state = load_checkpoint(checkpoint)
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start, cfg.history = state["step"], state["history"]
         rng.setstate(state["rng"])
+        if "schedule" in state:  # checkpoints before the LambdaLR schedule resume at their step
+            schedule.load_state_dict(state["schedule"])
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        for group in optim.param_groups:
+            group["lr"] = cfg.lr * lr_factor(start, cfg)  # a changed --steps or --lr applies from here on
+        schedule.last_epoch, schedule.base_lrs = start, [cfg.lr] * len(optim.param_groups)
     elif cfg.init == "target":
         from hetero_sd.models.weights import load_weights
         init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
     else:
         init_from_draft(model, Path(cfg.init), raw)
+    notes = {"autocast": autocast_note(device, autocast, cfg.autocast),
+             "attention": "split (block vs context + within block)" if split else "dense (one masked matrix)",
+             "loss": "chunked cross-entropy" if split and cfg.soft == 0 else "cross-entropy over all logits"}
     weights = torch.exp(-torch.arange(cfg.block_size - 1, device=device) / cfg.decay())
-    began, cpu0 = time.perf_counter(), time.process_time() - (cfg.history[-1].get("cpu_s", 0) if cfg.history else 0)
+    last = cfg.history[-1] if cfg.history else {}
+    began, cpu0 = time.perf_counter(), time.process_time() - last.get("cpu_s", 0)
+    blocks_total = last.get("blocks_total", 0)
+    per_forward = 1 if split else cfg.pack
     for step in range(start, cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in optim.param_groups:
-            group["lr"] = lr
-        total = 0.0
+        lr = optim.param_groups[0]["lr"]
+        total, blocks = 0.0, 0
         if vocab is not None:
             vocab.draw(rng)
-        for first in range(0, cfg.accumulate, cfg.pack):
-            count = min(cfg.pack, cfg.accumulate - first)
+        for first in range(0, cfg.accumulate, per_forward):
+            count = min(per_forward, cfg.accumulate - first)
             batch = make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device)
+            blocks += int(batch.anchors.shape[0])
             with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss = loss_fn(model, batch, weights, vocab, cfg.soft) * count / cfg.accumulate
+                loss = loss_fn(model, batch, weights, vocab, cfg.soft, split) * count / cfg.accumulate
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
+        schedule.step()
         optim.zero_grad(set_to_none=True)
+        blocks_total += blocks
         record = {"step": step + 1, "loss": total, "lr": lr, "elapsed_s": time.perf_counter() - began,
-                  "cpu_s": time.process_time() - cpu0}  # CPU seconds: the compute, whatever else ran
+                  "cpu_s": time.process_time() - cpu0,  # CPU seconds: the compute, whatever else ran
+                  "blocks": blocks, "blocks_total": blocks_total, "features_computed": features.computed,
+                  "features_cpu_s": round(features.compute_cpu_s, 2)}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record["held_out_tau"] = held_out_tau(model, held, features)
+            if features.disk is not None:
+                features.disk.flush()
+            record["held_out_tau"] = held_out_tau(model, held, features, split)
             cfg.history.append(record)
-            save(out, model, optim, step + 1, rng, cfg, raw)
+            save(out, model, optim, schedule, step + 1, rng, cfg, raw, notes)
         with (out / "log.jsonl").open("a") as log:
             log.write(json.dumps(record) + "\n")
         if progress:
             progress(record)
-    return {"draft": str(out), "history": cfg.history}
+    if features.disk is not None:
+        features.disk.flush()
+    return {"draft": str(out), "history": cfg.history, "notes": notes}
 
 
-def save(out: Path, model: TrainingDraft, optim, step: int, rng: random.Random, cfg: TrainConfig,
-         raw: dict) -> None:
-    """A loadable z-lab folder at every evaluation, plus a resumable checkpoint."""
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `steps` (LambdaLR's multiplier)."""
+    return min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, cfg.steps) / cfg.steps))
+
+
+def attention_path(model: TrainingDraft, cfg: TrainConfig) -> SplitForward | None:
+    """train/fast.py's split attention where it computes this draft exactly, else the dense masked one."""
+    if cfg.attention not in ("auto", "split", "dense"):
+        raise ConfigError(f"--attention {cfg.attention}: unknown", "use --attention auto, split or dense")
+    if cfg.attention == "split" and not supports(model.cfg):
+        raise ConfigError(f"--attention split: not for a {model.cfg.format.describe()} draft",
+                          "use --attention dense (or auto)")
+    if cfg.attention == "split" and cfg.pack > 1:
+        raise ConfigError(f"--pack {cfg.pack} packs sequences for the dense attention only",
+                          "add --attention dense, or leave --pack at 1")
+    if cfg.attention == "dense" or cfg.pack > 1 or not supports(model.cfg):  # --pack asks for the dense path
+        return None  # (training.json's notes name the path taken)
+    return SplitForward(model)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint holds tensors and plain values only; anything else (a pickle that would construct
+    objects, i.e. run code) is refused, never executed."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: not a checkpoint train-draft can load safely ({first[:160]})",
+                          "delete it (and resume from an earlier one) or train into another --out") from None
+
+
+def save(out: Path, model: TrainingDraft, optim, schedule, step: int, rng: random.Random, cfg: TrainConfig,
+         raw: dict, notes: dict | None = None) -> None:
+    """A loadable z-lab folder at every evaluation, plus a resumable checkpoint (tensors and plain values
+    only: it loads with weights_only=True), written to a temporary name and renamed."""
     out.mkdir(parents=True, exist_ok=True)
     write_draft(out, raw, {k: v.detach() for k, v in model.state_dict().items()})
     if cfg.snapshots:
         write_draft(out / "snapshots" / f"step-{step}", raw, {k: v.detach() for k, v in model.state_dict().items()})
-    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step, "rng": rng.getstate(),
-                "history": cfg.history}, out / "checkpoint.pt")
-    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "step": step}, indent=2))
+    tmp = out / ".checkpoint.pt.tmp"
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "schedule": schedule.state_dict(),
+                "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "history": cfg.history},
+               tmp)
+    tmp.replace(out / "checkpoint.pt")
+    (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "step": step, "notes": notes or {}},
+                                                  indent=2))

@@ -1,0 +1,153 @@
+"""The fast training path: the split-attention forward is the inference draft's forward, the chunked loss
+is the plain cross-entropy (value and gradient), features on disk are the features computed, and a
+checkpoint is loaded without running code."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from hetero_sd.backends.torch_backend import load_draft, load_target
+from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
+from hetero_sd.models.draft_init import draft_config, write_draft
+from hetero_sd.models.weights import load_weights
+from hetero_sd.train.fast import SplitForward, supports
+from hetero_sd.train.model import TrainingDraft
+from hetero_sd.train.trainer import init_from_target
+
+
+def trained_like(tiny_llama, block=5, group=2):
+    tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
+    raw = draft_config(tcfg, num_layers=2, block_size=block, mask_token_id=3, layer_ids=[0, 1])
+    target = load_target(tiny_llama, tcfg, "cpu", torch.float32, [0, 1])
+    model = TrainingDraft(raw, target.embed, target.lm_head.t())
+    init_from_target(model, load_weights(tiny_llama), tcfg.num_hidden_layers)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # leave the exact copy so every tensor matters
+    return raw, target, model
+
+
+def test_split_forward_is_the_inference_forward(tmp_path, tiny_llama):
+    """Every anchor of a sequence, unsorted, in groups smaller than the block count: each block's logits are
+    the runtime draft's `propose` on the context before its anchor."""
+    raw, target, model = trained_like(tiny_llama)
+    assert supports(model.cfg)
+    folder = write_draft(tmp_path / "d", raw, dict(model.state_dict()), dtype=torch.float32)
+    draft = load_draft(folder, DraftConfig.from_folder(folder), target, "cpu", torch.float32, 3)
+    tokens, features = torch.randint(0, 64, (30,)), torch.randn(30, 2 * 64)
+    anchors = torch.tensor([20, 3, 12, 13, 27, 7, 1])
+    with torch.no_grad():
+        fast = model.logits(SplitForward(model, group=3)(features, tokens, anchors))
+        dense = model.logits(model(features, tokens, anchors))
+    torch.testing.assert_close(fast, dense, rtol=1e-4, atol=1e-4)
+    for row, anchor in enumerate(anchors.tolist()):
+        draft.crop(0)
+        draft.add_context(features[:anchor])
+        torch.testing.assert_close(fast[row], draft.propose(int(tokens[anchor])), rtol=1e-4, atol=1e-4)
+
+
+def test_split_forward_gradients_match_the_dense_forward(tiny_llama):
+    raw, target, model = trained_like(tiny_llama)
+    tokens, features, anchors = torch.randint(0, 64, (24,)), torch.randn(24, 2 * 64), torch.tensor([4, 9, 15, 20])
+    grads = []
+    for forward in (SplitForward(model, group=2), model):
+        for p in model.parameters():
+            p.grad = None
+        (forward(features, tokens, anchors) ** 2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_chunked_cross_entropy_is_the_weighted_cross_entropy():
+    """Value and gradient equal the plain weighted cross-entropy over full logits, ignored rows included."""
+    from hetero_sd.train.loss import chunked_cross_entropy
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 8, requires_grad=True)
+    head = torch.randn(23, 8)
+    labels = torch.randint(0, 23, (37,))
+    labels[[3, 20]] = -100
+    weights = torch.rand(37)
+    fast = chunked_cross_entropy(hidden, head, labels, weights, chunk=10)
+    (g_fast,) = torch.autograd.grad(fast * 2.0, hidden)
+    ce = torch.nn.functional.cross_entropy(hidden @ head.t(), labels, reduction="none", ignore_index=-100)
+    plain = (ce * weights).sum()
+    (g_plain,) = torch.autograd.grad(plain * 2.0, hidden)
+    torch.testing.assert_close(fast, plain)
+    torch.testing.assert_close(g_fast, g_plain)
+    with pytest.raises(ValueError, match="frozen"):
+        chunked_cross_entropy(hidden, head.requires_grad_(), labels, weights)
+
+
+def test_feature_store_round_trip_resume_and_refusal(tmp_path, tiny_llama):
+    """Features come back as stored (bf16), a fill resumes where it stopped, another writer's shards are
+    seen, changed tokens miss, and a store of other layers is refused by name."""
+    from hetero_sd.errors import ConfigError
+    from hetero_sd.train.features import FeatureStore, fill
+    rows = [{"key": f"k{i}", "prompt_ids": [1, 2, 3], "response_ids": list(range(4, 4 + i))} for i in range(1, 6)]
+    calls = []
+
+    def compute(ids):
+        calls.append(len(ids))
+        return torch.arange(len(ids) * 4, dtype=torch.float32).view(len(ids), 4) / 7
+
+    store = FeatureStore.for_target(tmp_path / "f", tiny_llama, [0, 1], 4)
+    first = fill(store, rows[:3], compute, progress=tmp_path / "f" / "progress.json", log=lambda _: None)
+    assert first["done"] == 3 and first["final"]
+    other = FeatureStore.for_target(tmp_path / "f", tiny_llama, [0, 1], 4)  # a second process
+    again = fill(other, rows, compute, log=lambda _: None)
+    assert again["stored_at_start"] == 3 and again["done"] == 2 and len(calls) == 5
+    store.refresh()
+    for row in rows:
+        ids = row["prompt_ids"] + row["response_ids"]
+        got = store.get(row["key"], ids)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, compute(ids).to(torch.bfloat16))
+    assert store.get("k1", [9, 9, 9, 9]) is None  # same key, other tokens: not these features
+    with pytest.raises(ConfigError, match="layer_ids"):
+        FeatureStore.for_target(tmp_path / "f", tiny_llama, [0, 2], 4)
+
+
+def test_a_crafted_checkpoint_is_refused_not_run(tmp_path, tiny_llama):
+    """--resume reads checkpoint.pt with weights_only=True: a pickle that would call a function on load is
+    refused with a one-line error, and the function never runs."""
+    from hetero_sd.errors import ConfigError
+    from hetero_sd.train.trainer import TrainConfig, train
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (marker.write_text, ("pwned",))
+
+    out = tmp_path / "d"
+    out.mkdir()
+    with (out / "checkpoint.pt").open("wb") as f:
+        pickle.dump({"model": Payload()}, f)
+    rows = [{"index": i, "prompt_ids": [5, 6, 7], "response_ids": list(range(8, 30))} for i in range(8)]
+    cfg = TrainConfig(block_size=4, layers=1, steps=2, accumulate=1, held_out=2, eval_every=1)
+    with pytest.raises(ConfigError, match="checkpoint.pt: not a checkpoint"):
+        train(tiny_llama, rows, out, cfg, resume=True)
+    assert not marker.exists()
+
+
+def test_every_anchor_and_the_schedule(tmp_path, tiny_llama):
+    """anchors=0 trains every response token with a successor; the learning rate follows the warm-up +
+    cosine multiplier through LambdaLR, and a resumed run continues it from its step."""
+    from hetero_sd.train.trainer import TrainConfig, lr_factor, sample_anchors, train
+    import random
+    assert sample_anchors(random.Random(0), 3, 10, 0).tolist() == [3, 4, 5, 6, 7, 8]
+    rows = [{"index": i, "prompt_ids": [5, 6, 7], "response_ids": list(range(8, 20))} for i in range(8)]
+    cfg = dict(block_size=4, layers=1, steps=6, warmup=2, accumulate=2, held_out=2, eval_every=3, lr=1e-3)
+    logged = []
+    train(tiny_llama, rows, tmp_path / "a", TrainConfig(**cfg), progress=logged.append)
+    assert [r["blocks"] for r in logged] == [2 * 11] * 6
+    assert [r["lr"] for r in logged] == pytest.approx([1e-3 * lr_factor(s, TrainConfig(**cfg)) for s in range(6)])
+    resumed = []
+    train(tiny_llama, rows, tmp_path / "a", TrainConfig(**{**cfg, "steps": 9}), resume=True, progress=resumed.append)
+    assert resumed[0]["step"] == 7
+    assert [r["lr"] for r in resumed] == pytest.approx([1e-3 * lr_factor(s, TrainConfig(**{**cfg, "steps": 9}))
+                                                        for s in range(6, 9)])
