@@ -33,7 +33,8 @@ from hetero_sd.loading.templates import ChatOptions, chat_ids, chat_options
 
 Prompt = str | Sequence[int] | Sequence[dict]
 SCHEDULES = decoding.SCHEDULES + ("pipeline",)
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "rule", "speculative")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "rule", "speculative", "min_p",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -146,7 +147,9 @@ class Runtime:
                **kwargs) -> Iterator[StreamEvent]:
         """Yield one event per verify step (per token without a draft). The last event's stats are final.
 
-        Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+        Keywords: max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, min_p=0.0,
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0 (applied to the target's
+        distribution before acceptance: decoding/penalties.py),
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
         schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "auto",
         "fixed" or a size up to the draft's), timeline=None (record into this one)."""
@@ -157,7 +160,8 @@ class Runtime:
 
     def decode(self, prompt_ids: list[int], notes: list[str], stop_at_eos: bool, *, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               speculative: bool = True, rule: str = "match", schedule: str | None = None,
+               min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, speculative: bool = True, rule: str = "match", schedule: str | None = None,
                timeline: Timeline | None = None, request: int = 0, draft=None,
                block: str | int | None = None) -> Iterator[StreamEvent]:
         """Everything is checked here, before any model work; the returned iterator takes its own
@@ -165,7 +169,11 @@ class Runtime:
         draft: another draft over the same target (bench's float32 reference); forked per generation."""
         self.check_open()
         validate.sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          seed=seed, rule=rule, speculative=speculative)
+                          seed=seed, rule=rule, speculative=speculative, min_p=min_p,
+                          repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                                frequency_penalty)
         schedule = check_schedule(schedule or self.schedule)
         schedule = "overlap" if schedule == "overlap" else "sequential"  # one request: nothing to pipeline
         use_draft = speculative and self.draft is not None
@@ -181,7 +189,7 @@ class Runtime:
                       draft_dtype=(self.info.get("draft_dtype") or "") if use_draft else "")
         if schedule == "overlap" and use_draft:
             stats.notes += oversubscription(self.target.device, self.draft.device)
-        req = decoding.Request(None, None, prompt_ids, Sampler(SamplingParams(temperature, top_k, top_p), seed),
+        req = decoding.Request(None, None, prompt_ids, sampler_for(params, seed, prompt_ids),
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else []),
                                stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
         if use_draft:
@@ -360,6 +368,12 @@ def pipelined(rt: Runtime, jobs: list[dict], timeline: Timeline, kwargs: dict) -
     for g in results:
         g.stats.schedule = "pipeline"
     return results
+
+
+def sampler_for(params: SamplingParams, seed: int | None, prompt_ids: list[int]) -> Sampler:
+    sampler = Sampler(params, seed)
+    sampler.history.prompt = list(prompt_ids)  # the repetition penalty counts the prompt's tokens too
+    return sampler
 
 
 def check_schedule(schedule: str) -> str:

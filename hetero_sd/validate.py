@@ -55,8 +55,10 @@ def top_p_value(value) -> float:
 
 
 def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, rule="match",
-             speculative=True) -> None:
+             speculative=True, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0) -> None:
     """Everything a generation takes besides the prompt."""
+    penalties(min_p, repetition_penalty, presence_penalty, frequency_penalty)
     integer("max_new_tokens", max_new_tokens, 0)
     temperature_value(temperature)
     top_p_value(top_p)
@@ -68,6 +70,19 @@ def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=No
     if not isinstance(speculative, bool):
         raise InvalidArgumentError(f"speculative must be True or False, got {speculative!r}",
                                    "pass speculative=True (with the draft) or False (autoregressive)")
+
+
+def penalties(min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
+    """min_p in [0, 1]; repetition_penalty > 0 (1: off); presence and frequency penalties in [-2, 2]
+    (OpenAI's range; 0: off)."""
+    if not 0 <= real("min_p", min_p) <= 1:
+        raise InvalidArgumentError(f"min_p must be in [0, 1], got {min_p:g}", "use 0 to keep every token, or e.g. 0.05")
+    if not real("repetition_penalty", repetition_penalty) > 0:
+        raise InvalidArgumentError(f"repetition_penalty must be > 0, got {repetition_penalty:g}",
+                                   "use 1 for none, or e.g. 1.1 to discourage repeats")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2 <= real(name, value) <= 2:
+            raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value:g}", "use 0 for none, or e.g. 0.5")
 
 
 def threads(value) -> int | None:

@@ -62,7 +62,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def runtime(tiny_llama, tiny_draft):
-    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), block_size="fixed")
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), block_size="fixed", cpu_threads=1)  # tiny: 1 thread
     yield rt
     rt.close()
 
@@ -108,6 +108,16 @@ def test_openai_client_plain_and_streamed(runtime, client):
     plain = runtime.generate("t5 t9", chat=False, max_new_tokens=10)
     assert c.choices[0].text == plain.text and c.usage.completion_tokens == len(plain.token_ids)
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_penalties_and_min_p_reach_the_sampler(runtime, client):
+    kw = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05)
+    want = reference(runtime, 20, **kw)
+    r = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=20, temperature=0,
+                                       presence_penalty=0.5, frequency_penalty=0.4,
+                                       extra_body={"repetition_penalty": 1.3, "min_p": 0.05, "top_k": -1})
+    assert r.choices[0].message.content == want.text
+    assert want.text != reference(runtime, 20).text  # the penalties changed the text
 
 
 def test_stop_text_holds_back_partial_matches():
@@ -302,7 +312,7 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "hetero_sd.cli", "serve", "--target", str(tiny_llama),
-                             "--draft", str(tiny_draft), "--block-size", "fixed", "--port", str(port),
+                             "--draft", str(tiny_draft), "--block-size", "fixed", "--threads", "1", "--port", str(port),
                              "--shutdown-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -94,6 +94,7 @@ class Request:
     def emit(self, tokens: list[int]) -> list[int]:
         kept = self.budget.take(tokens)
         self.stats.record_emitted(len(kept), self.budget.finish_reason)
+        self.sampler.emitted(kept)  # the penalties count what was generated
         if self.policy:
             self.policy.emitted(kept)
         return kept

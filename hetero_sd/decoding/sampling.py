@@ -11,10 +11,13 @@ candidate selector (selection.py): q is zero off each position's candidates, the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from hetero_sd.backends.selection import SelectorBlock
+
+from .penalties import History, min_p_filter, penalize
 
 RULES = ("match", "rejection")
 
@@ -24,6 +27,14 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # keep the tokens with p >= min_p * p(top token)
+    repetition_penalty: float = 1.0  # the penalties (penalties.py) depend on the tokens so far
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +44,7 @@ class SamplingParams:
 class Sampler:
     def __init__(self, params: SamplingParams, seed: int | None = None):
         self.params = params
+        self.history = History()  # the prompt (the runtime sets it) and the emitted tokens: penalties
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}
 
@@ -46,10 +58,22 @@ class Sampler:
             self.generators[device] = g
         return self.generators[device]
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, V] float32 logits -> [N, V] probabilities after temperature, top-k and top-p."""
+    def penalize(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> torch.Tensor:
+        """The penalties, given the tokens emitted so far (and drafted[:i] for row i: penalties.py)."""
         p = self.params
-        logits = logits.float() / p.temperature
+        if not p.penalized:
+            return logits.float()
+        return penalize(logits, self.history, drafted, p.repetition_penalty, p.presence_penalty,
+                        p.frequency_penalty)
+
+    def emitted(self, tokens: list[int]) -> None:
+        self.history.output += tokens
+
+    def probs(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> torch.Tensor:
+        """[N, V] float32 logits -> [N, V] probabilities after the penalties, temperature, top-k, top-p
+        and min-p. drafted: row i follows drafted[:i] (a verified block), for the penalties."""
+        p = self.params
+        logits = self.penalize(logits, drafted) / p.temperature
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,16 +84,18 @@ class Sampler:
             drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        if p.min_p > 0:
+            logits = min_p_filter(logits, p.min_p)
         return logits.softmax(-1)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator(probs.device)).squeeze(-1)
 
-    def sample(self, logits: torch.Tensor) -> list[int]:
+    def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> list[int]:
         """One token per row."""
         if self.params.greedy:
-            return logits.argmax(-1).tolist()
-        return self.draw(self.probs(logits)).tolist()
+            return self.penalize(logits, drafted).argmax(-1).tolist()
+        return self.draw(self.probs(logits, drafted)).tolist()
 
     def uniform(self, device: torch.device) -> float:
         return torch.rand((), generator=self.generator(device), device=device).item()
@@ -96,12 +122,12 @@ def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q:
            rule: str) -> Verdict:
     """target_logits[i] is the target's distribution for the token after block position i."""
     if sampler.params.greedy or rule == "match":
-        posterior = sampler.sample(target_logits)
+        posterior = sampler.sample(target_logits, drafted)
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == posterior[accepted]:
             accepted += 1
         return Verdict(accepted, drafted[:accepted] + [posterior[accepted]])
-    return rejection(sampler, sampler.probs(target_logits), drafted, q.to(target_logits.device))
+    return rejection(sampler, sampler.probs(target_logits, drafted), drafted, q.to(target_logits.device))
 
 
 def rejection(sampler: Sampler, p: torch.Tensor, drafted: list[int], q: torch.Tensor) -> Verdict:

@@ -142,20 +142,8 @@ def sampling_options(runtime, body: Sampling, settings: Settings, prompt_len: in
         options["rule"] = defaults["rule"]
     extras = {name: getattr(body, name) for name in ("min_p", "repetition_penalty", "presence_penalty",
                                                      "frequency_penalty") if getattr(body, name) is not None}
-    options.update(penalty_options(runtime, extras))
+    options.update(extras)  # the runtime's sampler applies them to the target's distribution (lossless)
     return {k: v for k, v in options.items() if v is not None}
-
-
-def penalty_options(runtime, extras: dict) -> dict:
-    """min_p and the penalties go to the runtime's sampler (applied to the target's distribution before
-    acceptance, so both acceptance rules stay lossless)."""
-    import inspect
-
-    accepted = inspect.signature(runtime.decode).parameters
-    for name in extras:
-        if name not in accepted:
-            raise ApiError(400, f"{name} is not supported by this runtime; remove it", name, "unsupported_field")
-    return extras
 
 
 class SSE(StreamingResponse):
