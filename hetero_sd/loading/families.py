@@ -13,14 +13,14 @@ from hetero_sd.models.config import ArchConfig, read_json
 from hetero_sd.models.hf_config import fast_path, hf_arch
 
 FAST = "fast"  # our own layers (backends/torch_backend, backends/mlx_backend)
-TRANSFORMERS = "transformers"  # transformers' AutoModelForCausalLM (backends/hf_backend)
+TRANSFORMERS = "transformers"  # transformers' AutoModelForCausalLM (backends/hf_backend); on mlx: mlx-lm
 
 
 def target_config(folder: Path) -> tuple[ArchConfig, str]:
     """The target's shape and the path that will run it."""
     where = folder / "config.json"
     raw = read_json(where)
-    if fast_path(raw):
+    if fast_path(raw) and not raw.get("quantization"):  # mlx-lm's quantized folders: mlx-lm reads them
         return ArchConfig.from_dict(raw, str(where)), FAST
     return hf_arch(raw, str(where)), TRANSFORMERS
 
@@ -29,9 +29,13 @@ def load_target(folder: Path, cfg: ArchConfig, path: str, device: str, dtype, la
                 notes: list[str]) -> TargetBackend:
     if path == FAST:
         return target_backend(folder, cfg, device, dtype, layer_ids, max_context, notes)
-    if device == "mlx" or device in ("ane-sim", "ane", "coreml-gpu", "coreml-cpu"):
-        raise ConfigError(f"target {cfg.model_type} runs through transformers (torch), not on {device}",
-                          "use --target-device cpu, cuda or mps for this target")
+    if device == "mlx":
+        from hetero_sd.backends import hf_backend
+
+        return hf_backend.load_mlx_target(folder, cfg, layer_ids, max_context, notes)
+    if device in ("ane-sim", "ane", "coreml-gpu", "coreml-cpu"):
+        raise ConfigError(f"target {cfg.model_type} runs through transformers (torch) or mlx-lm, not on {device}",
+                          "use --target-device cpu, cuda, mps or mlx for this target")
     if dtype == INT8:
         raise ConfigError(f"--dtype {INT8} is a fast-path CPU target (llama/qwen2/qwen3 GGUF blocks); "
                           f"{cfg.model_type} runs through transformers", "use float32, bfloat16 or float16")
