@@ -18,6 +18,10 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
+FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "max_tokens", "stop", "messages", "prompt", "chat_template_kwargs"}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -37,8 +41,8 @@ def from_hetero(e: HeteroSDError) -> ApiError:
     if isinstance(e, PromptTooLongError):
         return ApiError(400, f"{e.problem}; {e.fix}", "messages", "context_length_exceeded")
     if isinstance(e, InvalidArgumentError):
-        param = e.problem.split(" ", 1)[0]
-        return ApiError(400, f"{e.problem}; {e.fix}", param if param.isidentifier() else None, "invalid_value")
+        param = e.problem.split(" ", 1)[0]  # validate.py's messages start with the argument's name
+        return ApiError(400, f"{e.problem}; {e.fix}", param if param in FIELDS else None, "invalid_value")
     return ApiError(500, f"{e.problem}; {e.fix}", None, type(e).__name__)
 
 
