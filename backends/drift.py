@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+NO_BLOCK = "no draft block ran (the controller decoded plainly): no drift to report"
 
 
 @dataclass
@@ -56,7 +57,21 @@ class Drift:
         return out
 
     def to_dict(self) -> dict:
-        n = max(self.positions, 1)
-        return {"device": self.device, "reference": "float32 draft on the CPU", "blocks": self.blocks,
-                "top1_agreement": self.agree / n, "kl": self.kl_sum / n, "cosine": self.cosine_sum / n,
-                "cosine_min": self.cosine_min, "nonfinite_blocks": self.nonfinite_blocks}
+        """The figures; where no draft block was compared they are None and `note` says so (a mean over
+        nothing is not a measurement)."""
+        head = {"device": self.device, "reference": "float32 draft on the CPU", "blocks": self.blocks,
+                "nonfinite_blocks": self.nonfinite_blocks}
+        if not self.positions:
+            return head | {"top1_agreement": None, "kl": None, "cosine": None, "cosine_min": None,
+                           "note": NO_BLOCK if not self.blocks else "every compared block was non-finite"}
+        n = self.positions
+        return head | {"top1_agreement": self.agree / n, "kl": self.kl_sum / n, "cosine": self.cosine_sum / n,
+                       "cosine_min": self.cosine_min}
+
+    def summary(self) -> str:
+        """One line for people: the figures, or why there are none."""
+        d = self.to_dict()
+        if d["cosine"] is None:
+            return f"{self.device}: {d['note']}"
+        return (f"{self.device} over {self.blocks} blocks: cosine {d['cosine']:.5f} (min {d['cosine_min']:.5f}), "
+                f"top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")

@@ -32,11 +32,21 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def draft_dtype_for(draft_dtype, target_dtype, device: str) -> torch.dtype:
+def draft_dtype_for(draft_dtype, target_dtype, device: str, stored: torch.dtype | None = None) -> torch.dtype:
+    """The asked dtype, else the one the draft is stored in (torch_backend.default_draft_dtype)."""
     if draft_dtype is not None:
         return resolve_dtype(draft_dtype, device)
     target_dtype = torch.float32 if target_dtype == INT8 else target_dtype
-    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device))
+    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device), stored)
+
+
+def stored_dtype(tensors: dict) -> torch.dtype | None:
+    """The floating dtype most of a draft's weights are stored in."""
+    counts: dict = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get) if counts else None
 
 
 def dtype_name(dtype) -> str | None:

@@ -67,10 +67,17 @@ def parse_line(line: str, source, n: int) -> Prompt:
     if not isinstance(row, dict):
         raise ConfigError(f"{source}:{n} is a JSON {type(row).__name__}, not an object",
                           "write one object per line, e.g. {\"prompt\": \"Hi\"}")
-    if isinstance(row.get("prompt"), str):
-        return Prompt(validate.text(row["prompt"], f"{source}:{n}"), str(row.get("category", "")))
-    if isinstance(row.get("turns"), list) and row["turns"]:
-        return Prompt(validate.text(str(row["turns"][0]), f"{source}:{n}"), str(row.get("category", "")))
+    text = row.get("prompt")
+    if text is None and isinstance(row.get("turns"), list) and row["turns"]:
+        text = row["turns"][0]  # the first turn: a string, or a message {"role", "content"}
+        text = text.get("content") if isinstance(text, dict) else text
+        if not isinstance(text, str):
+            raise ConfigError(f"{source}:{n}: the first turn is not text ({type(text).__name__})",
+                              "write turns as strings, or messages with a \"content\" string")
+    if isinstance(text, str):
+        if not text.strip():
+            raise ConfigError(f"{source}:{n}: the prompt is empty", "give each line a non-empty \"prompt\"")
+        return Prompt(validate.text(text, f"{source}:{n}"), str(row.get("category", "")))
     raise ConfigError(f"{source}:{n} has neither \"prompt\" nor \"turns\"", "give each line a \"prompt\" string")
 
 

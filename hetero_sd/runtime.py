@@ -174,6 +174,9 @@ class Runtime:
                           frequency_penalty=frequency_penalty)
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty)
+        if schedule == "pipeline":  # asked of one generation: refused, not run sequentially in silence
+            raise ConfigError("schedule 'pipeline' needs two requests at once; a generation is one",
+                              "use generate_many(prompts, schedule='pipeline'), or schedule='sequential' or 'overlap'")
         schedule = check_schedule(schedule or self.schedule)
         schedule = "overlap" if schedule == "overlap" else "sequential"  # one request: nothing to pipeline
         use_draft = speculative and self.draft is not None
@@ -299,7 +302,7 @@ class Runtime:
         All generations share one timeline (stats.timeline) with a request number each."""
         self.check_open()
         validate.sampling(**{k: v for k, v in kwargs.items() if k in SAMPLING_KEYS})
-        prompts = [validate.prompt(p) for p in prompts]
+        prompts = [validate.prompt(p) for p in validate.prompt_list(prompts)]
         encoded = [self.encode(p, chat) for p in prompts]
         timeline = Timeline()
         jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, None), request=n)
@@ -411,6 +414,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     or a size from 2 to the draft's own, used on every step. draft="auto": the published draft of a
     known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
     """
+    validate.load_args(target=target, draft=draft, target_device=target_device, draft_device=draft_device,
+                       schedule=schedule, max_context=max_context)
     check_schedule(schedule)
     options = chat_options(system_prompt, chat_template_kwargs)  # checked before any model work
     loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,

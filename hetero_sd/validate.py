@@ -40,10 +40,18 @@ def real(name: str, value) -> float:
     return float(value)
 
 
+MIN_TEMPERATURE = 1e-4  # below it logits / T overflow float32 (and the samples are greedy's anyway)
+MAX_SEED = 2**64 - 1
+
+
 def temperature_value(value) -> float:
+    """0 (greedy) or a temperature >= MIN_TEMPERATURE."""
     t = real("temperature", value)
     if t < 0:
         raise InvalidArgumentError(f"temperature must be >= 0, got {t:g}", "use 0 for greedy decoding or a value > 0")
+    if 0 < t < MIN_TEMPERATURE:
+        raise InvalidArgumentError(f"temperature {t:g} is below {MIN_TEMPERATURE:g}",
+                                   f"use 0 for greedy decoding (what so small a temperature means) or >= {MIN_TEMPERATURE:g}")
     return t
 
 
@@ -64,7 +72,7 @@ def sampling(*, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=No
     top_p_value(top_p)
     integer("top_k", top_k, 0)
     if seed is not None:
-        integer("seed", seed, 0)
+        seed_value(seed)
     if rule not in RULES:
         raise InvalidArgumentError(f"unknown acceptance rule {rule!r}", f"use one of {', '.join(RULES)}")
     if not isinstance(speculative, bool):
@@ -85,8 +93,44 @@ def penalties(min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency
             raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value:g}", "use 0 for none, or e.g. 0.5")
 
 
+def seed_value(value) -> int:
+    """A seed: an int from 0 to 2^64 - 1 (what torch and the OpenAI API take)."""
+    if integer("seed", value, 0) > MAX_SEED:
+        raise InvalidArgumentError(f"seed must be < 2^64, got {value}", "pass a seed from 0 to 2^64 - 1")
+    return int(value)
+
+
 def threads(value) -> int | None:
-    return None if value is None else integer("threads", value, 1)
+    """CPU threads: 1 up to the cores (more threads than cores slow each other down, several times over)."""
+    if value is None:
+        return None
+    n, cores = integer("threads", value, 1), os.cpu_count() or 1
+    if n > cores:
+        raise InvalidArgumentError(f"threads {n} is more than this machine's {cores} cores (threads beyond the "
+                                   "cores wait on each other: several times slower)",
+                                   f"pass 1 to {cores} threads (or leave it unset)")
+    return n
+
+
+def name(what: str, value, optional: bool = False) -> str | None:
+    """A non-empty str (a model or device name); None where optional."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"{what} must be a non-empty string, got {value!r}",
+                                   f"pass {what} as a name, e.g. 'cpu' or 'default'" + (" (or None)" if optional else ""))
+    return value
+
+
+def load_args(*, target, draft, target_device, draft_device, schedule, max_context) -> None:
+    """load()'s names and sizes, before anything is resolved (threads and block size are checked where used)."""
+    name("target", target)
+    name("draft", draft, optional=True)
+    name("target_device", target_device)
+    name("draft_device", draft_device, optional=True)
+    name("schedule", schedule)
+    if max_context is not None:
+        integer("max_context", max_context, 1, "pass a context length >= 1 (or leave it unset: the model's own)")
 
 
 def limit(value) -> int | None:
@@ -107,6 +151,8 @@ def text(value: str, what: str = "the prompt") -> str:
 def prompt(value) -> str | list[int] | list[dict]:
     """A prompt is text, a list of token ids, or a list of chat messages ({"role", "content"})."""
     if isinstance(value, str):
+        if not value:
+            raise InvalidArgumentError("the prompt is empty", "pass some text (or token ids)")
         return text(value)
     if isinstance(value, (bytes, bytearray)):
         raise InvalidArgumentError("the prompt is bytes, not text or token ids",
@@ -124,6 +170,14 @@ def prompt(value) -> str | list[int] | list[dict]:
         return [int(t) for t in value]
     raise InvalidArgumentError("the prompt list mixes types: it must hold only token ids (int) or only "
                                "messages (dict)", "pass a list of ints or a list of {'role', 'content'} dicts")
+
+
+def prompt_list(value) -> list:
+    """generate_many's prompts: a list or tuple of prompts (a str is one prompt, not a list of characters)."""
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"prompts must be a list of prompts, got {type(value).__name__}",
+                                   "pass a list, e.g. generate_many(['Hi!']); for one prompt use generate")
+    return list(value)
 
 
 def message(m: dict, n: int) -> dict:
@@ -168,7 +222,16 @@ def block_size(value, draft_size: int):
 def output_file(path, flag: str) -> Path:
     """A file we will write later: checked now, so that no work is lost to a bad path at the end."""
     p = Path(path).expanduser()
+    if p.is_symlink() and not p.exists():
+        raise OutputPathError(f"{flag} {p} is a symlink to {os.readlink(p)}, which does not exist",
+                              f"give {flag} the path of a regular file (or remove the link)")
+    if p.is_symlink():  # written through (the link stays): check where the file really is
+        p = Path(os.path.realpath(p))
     parent = p.parent if str(p.parent) else Path(".")
+    if p.exists() and not p.is_dir() and not p.is_file():  # a device, FIFO or socket: written into
+        if not os.access(p, os.W_OK):
+            raise OutputPathError(f"{flag} {p} cannot be written (permission denied)", "give a path you can write to")
+        return p
     if p.is_dir():
         raise OutputPathError(f"{flag} {p} is a directory", f"give {flag} a file name, e.g. {p / 'out.json'}")
     if not parent.is_dir():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # One converted copy of the embedded default model per checkout (the conversion takes ~30 s).
 os.environ.setdefault("HETERO_SD_HOME", str(ROOT / ".cache" / "hetero-sd"))
 torch.manual_seed(0)
+# z-lab's `dflash` (the parity tests' reference) is installed apart from the venv's packages (Makefile):
+# its pins (datasets, tqdm, ...) would otherwise conflict with ours in pip's resolver.
+REFERENCE = Path(sys.prefix) / "reference"
+if REFERENCE.is_dir() and str(REFERENCE) not in sys.path:
+    sys.path.append(str(REFERENCE))
 
 TINY_VOCAB = 64
 

@@ -37,7 +37,7 @@ class ChatApp(App):
     #log { height: 1fr; padding: 0 1; }
     #panel { width: 30; border-left: solid $primary; padding: 0 1; }
     #panel.hidden { display: none; }
-    Input { dock: bottom; }
+    #prompt { dock: bottom; }  /* only the chat box: a dialog's fields stay in their grid */
     """
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
@@ -64,6 +64,8 @@ class ChatApp(App):
         self.show_sources = True
         self.answers: list[tuple[Message, Answer]] = []
         self.last_stats = None
+        self.load_error: str | None = None  # why the last load failed (the exit status says so if none ever loaded)
+        self.ever_loaded = False
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -87,11 +89,16 @@ class ChatApp(App):
         try:
             if self.runtime is not None:
                 self.runtime.close()
+            self.runtime = None
             self.runtime = load(**self.load_kwargs)
-        except HeteroSDError as e:
-            self.call_from_thread(self.say, f"error: {e.problem}\nfix: {e.fix}", "error")
+        except Exception as e:  # any failure is shown in the app; the user can change settings or quit
+            problem, fix = ((e.problem, e.fix) if isinstance(e, HeteroSDError) else
+                            (f"{type(e).__name__}: {e}", "check the model settings (ctrl+o)"))
+            self.load_error = problem
+            self.call_from_thread(self.say, f"error: {problem}\nfix: {fix}", "error")
             self.call_from_thread(self.set_ready, False, "Fix the model settings (ctrl+o) or quit (ctrl+q)")
             return
+        self.ever_loaded, self.load_error = True, None
         self.sub_title = model_names(self.runtime.info)
         for note in self.runtime.notes:
             self.call_from_thread(self.say, f"note: {note}", "note")
@@ -109,6 +116,8 @@ class ChatApp(App):
     # --- chatting ------------------------------------------------------------------------------
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "prompt":  # Enter in another field (a dialog's) is never a chat turn
+            return
         text = event.value.strip()
         if not text or self.generating or self.runtime is None:
             return
@@ -135,7 +144,7 @@ class ChatApp(App):
                 if self.stop_event.is_set():
                     answer.stopped = True
                     break
-        except HeteroSDError as e:
+        except Exception as e:  # never lose the conversation to an error in one answer
             self.call_from_thread(self.failed, reply, e)
             return
         self.call_from_thread(self.finished, reply, answer)
@@ -155,11 +164,14 @@ class ChatApp(App):
                 if note not in self.runtime.notes:
                     self.say(f"note: {note}", "note")
 
-    def failed(self, reply: Message, error: HeteroSDError) -> None:
+    def failed(self, reply: Message, error: Exception) -> None:
         reply.remove()
         self.answers.pop()
         question = self.conversation.withdraw()
-        self.say(f"error: {error.problem}\nfix: {error.fix}", "error")
+        problem, fix = ((error.problem, error.fix) if isinstance(error, HeteroSDError) else
+                        (f"the answer failed ({type(error).__name__}: {error})",
+                         "change the settings (ctrl+o) and send again; the conversation is kept"))
+        self.say(f"error: {problem}\nfix: {fix}", "error")
         box = self.query_one("#prompt", Input)
         box.value = box.value or question  # nothing the user typed is lost
         self.generating = False

@@ -133,6 +133,8 @@ def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, sett
         d = stats.drift.to_dict()
         row("drift", f"cos {d['cosine']:.5f}")
         row("", f"top-1 {d['top1_agreement']:.1%}")
+    elif stats.drift is not None:  # a reduced-precision device, but no block compared yet
+        row("drift", "no draft block ran")
     else:
         row("drift", "- (float32 draft)" if stats.mode == "speculative" else "-")
     if stats.fallback:

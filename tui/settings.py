@@ -49,14 +49,23 @@ class SettingsScreen(ModalScreen[dict | None]):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
 
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Enter in a field applies the dialog (it must not reach the app, where it would be a chat turn)."""
+        event.stop()
+        self.apply()
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "cancel":
             self.dismiss(None)
             return
+        self.apply()
+
+    def apply(self) -> None:
         try:
             temperature = validate.temperature_value(float(self.query_one("#temperature", Input).value))
-        except ValueError as e:  # not a number, or refused by the shared check (negative, nan, inf)
-            problem = e.problem if isinstance(e, InvalidArgumentError) else "temperature must be a number >= 0"
+        except ValueError as e:  # not a number, or refused by the shared check (negative, tiny, nan, inf)
+            problem = (f"{e.problem} ({e.fix})" if isinstance(e, InvalidArgumentError)
+                       else "temperature must be a number >= 0")
             self.notify(problem, severity="error")
             return
         draft = self.query_one("#draft", Input).value.strip()

@@ -23,10 +23,13 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def default_draft_dtype(device: str, target_dtype: torch.dtype) -> torch.dtype:
-    """The draft's numerics never reach the output (every token is verified by the target), so on a CPU
-    with native bf16 (AMX / AVX512-BF16) it runs in bf16: its block of 16 costs ~5x less there. Elsewhere
-    it follows the target."""
+def default_draft_dtype(device: str, target_dtype: torch.dtype, stored: torch.dtype | None = None) -> torch.dtype:
+    """A draft runs in the dtype it is stored in: a float32 checkpoint stays float32 (rounding it to bf16
+    moves its proposals away from the reference's). A 16-bit draft (the published ones) runs in bf16 on
+    a CPU with native bf16 (AMX / AVX512-BF16: its block of 16 costs ~5x less there); elsewhere it
+    follows the target (a lossless upcast). stored=None (unknown): as a 16-bit draft."""
+    if stored == torch.float32 and device == "cpu":
+        return torch.float32
     return torch.bfloat16 if device == "cpu" and native_bf16() else target_dtype
 
 

@@ -26,7 +26,7 @@ NAME = "zlab-reference"
 
 def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, done, ours: list[dict]) -> PeerRow:
     try:
-        from dflash import model as zm
+        zm = reference_module()
     except ImportError:
         return PeerRow(NAME, skipped=True, note="not installed: pip install --no-deps dflash (z-lab's reference, 25 KB)")
     folder = Path(runtime.info.get("draft") or "")
@@ -106,6 +106,22 @@ def cpu_clock(zm, row: PeerRow):
         yield
     finally:
         zm._cuda_time = original
+
+
+def reference_module():
+    """z-lab's `dflash.model`: installed in the environment, or apart from it in <venv>/reference (the
+    Makefile puts it there, with --no-deps --target, so that its pins never meet the venv's resolver)."""
+    import sys
+
+    try:
+        from dflash import model
+    except ImportError:
+        apart = Path(sys.prefix) / "reference"
+        if not apart.is_dir() or str(apart) in sys.path:
+            raise
+        sys.path.append(str(apart))
+        from dflash import model
+    return model
 
 
 def package_version() -> str:

@@ -225,10 +225,23 @@ def print_details(res: dict, schedules_title: str) -> None:
     if res.get("peers") or res.get("floor"):
         print_peers(res)
     if res.get("drift"):
-        d = res["drift"]
-        Console().print(f"drift of {d['device']} vs the float32 draft: tau ratio {d['tau_ratio']:.3f} "
-                        f"({d['tau_device']:.2f} / {d['tau_reference']:.2f}), cosine {d['cosine']:.5f} "
-                        f"(min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, KL {d['kl']:.2e}")
+        Console().print(drift_line(res["drift"]))
+
+
+def drift_line(d: dict) -> str:
+    """The drift pass's figures, or what stopped it from measuring any (never a mean over no block)."""
+    if d["cosine"] is None:
+        return f"drift of {d['device']} vs the float32 draft: {d['note']}"
+    line = (f"drift of {d['device']} vs the float32 draft over {d['blocks']} blocks ({d['pass']}): "
+            f"cosine {d['cosine']:.5f} (min {d['cosine_min']:.5f}), top-1 agreement {d['top1_agreement']:.3f}, "
+            f"KL {d['kl']:.2e}")
+    if d.get("tau_ratio") is not None:
+        line += f", tau ratio {d['tau_ratio']:.3f} ({d['tau_device']:.2f} / {d['tau_reference']:.2f})"
+    row = d.get("in_row")
+    if row is not None:
+        line += (f"; in the row itself: {row['blocks']} blocks" if row["blocks"] else
+                 "; in the row itself no draft block ran (the controller decoded plainly)")
+    return line
 
 
 def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 from pathlib import Path
 
 from rich.console import Console
@@ -52,16 +53,43 @@ def load_runtime(args, schedules: list[str], target_device: str | None = None, d
 
 
 def write_json(path: str, data: dict, quiet: bool = False) -> None:
-    """Atomically: a reader (or a kill mid-write) sees the previous complete file or the new one."""
+    """A regular file (or a new one) is replaced atomically: a reader, or a kill mid-write, sees the
+    previous complete file or the new one. A symlink is written through (its target is replaced, the
+    link stays); a special file (/dev/null, a FIFO, a terminal) is written into, never replaced by a
+    regular file. A dangling symlink is refused by name."""
     target = Path(path).expanduser()
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    text = json.dumps(data, indent=2, default=str)
     try:
-        tmp.write_text(json.dumps(data, indent=2, default=str))
-        os.replace(tmp, target)
+        kind = output_kind(target)
+        if kind == "special":
+            with open(target, "w") as f:
+                f.write(text)
+        else:
+            atomic_write(Path(os.path.realpath(target)), text)
     except OSError as e:
-        raise OutputPathError(f"cannot write {target} ({e.strerror})",
+        raise OutputPathError(f"cannot write {target} ({e.strerror or e})",
                               "give a path in a folder you can write to") from None
+    if not quiet:
+        err.print(f"[dim]wrote {target if kind == 'special' else Path(os.path.realpath(target))}[/]")
+
+
+def output_kind(target: Path) -> str:
+    """'file' (regular, new, or a symlink to one) or 'special' (a device, FIFO or socket, maybe behind a
+    symlink); a dangling symlink raises OutputPathError."""
+    try:
+        st = target.stat()  # follows symlinks
+    except FileNotFoundError:
+        if target.is_symlink():
+            raise OutputPathError(f"{target} is a symlink to {os.readlink(target)}, which does not exist",
+                                  "give the path of a regular file (or remove the link)") from None
+        return "file"
+    return "file" if stat.S_ISREG(st.st_mode) else "special"
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    if not quiet:
-        err.print(f"[dim]wrote {target.resolve()}[/]")

@@ -15,6 +15,7 @@ from hetero_sd.errors import HeteroSDError, InvalidArgumentError, OutputPathErro
 from hetero_sd.decoding.timeline import chrome_trace
 from hetero_sd.loading.templates import chat_options, parse_kwargs
 
+from .checks import bench_args, train_args, train_vocab, window
 from .common import STATE, Terminated, block_arg, err, interrupted_status, load_runtime, on_sigterm, write_json
 
 FLAGS = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p", "top_k": "--top-k", "temperature": "--temperature",
@@ -137,6 +138,12 @@ def check_args(args) -> None:
             validate.temperature_value(t)
         if hasattr(args, "top_p"):
             validate.top_p_value(args.top_p)
+        if getattr(args, "seed", None) is not None:
+            validate.seed_value(args.seed)
+        if args.draft_device is not None and not args.draft_device.strip():
+            raise InvalidArgumentError("--draft-device is empty", "name a device (hetero-sd devices), or leave it out")
+        if args.command == "bench":
+            bench_args(args)
         if isinstance(args.block_size, int) and args.block_size < 2:
             raise InvalidArgumentError(f"--block-size {args.block_size} leaves no room for drafts",
                                        "use a block size >= 2 (up to the draft's own), or 'auto'")
@@ -225,20 +232,28 @@ def cmd_chat(args) -> int:
                   system_prompt=args.system_prompt, chat_template_kwargs=args.chat_template_kwargs)
     app = ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens, save_dir=args.save_dir)
     app.run()
-    return app.return_code or 0  # Textual sets 1 when the app failed
+    if app.return_code:  # Textual sets 1 when the app failed
+        return app.return_code
+    if not app.ever_loaded:  # quit without a model: say why, and do not report success
+        err.print(f"[bold red]error:[/] the model never loaded ({app.load_error or 'quit while loading'})\n"
+                  "[bold]fix:[/] check --target, --draft and the devices (hetero-sd devices)", highlight=False)
+        return 1
+    return 0
 
 
 def cmd_compile_ane(args) -> None:
     from pathlib import Path
 
+    out = Path(args.out)
+    if out.suffix != ".mlpackage":
+        raise HeteroSDError(f"{out} does not end in .mlpackage", "name the output X.mlpackage")
+    window(args.window)
+    validate.output_file(out.with_suffix(".json"), "--out")  # its folder, before the conversion's work
     try:
         from .compile_ane import compile_ane
         import coremltools  # noqa: F401
     except ImportError:
         raise HeteroSDError("compile-ane needs coremltools", "pip install 'hetero-sd[coreml]'") from None
-    out = Path(args.out)
-    if out.suffix != ".mlpackage":
-        raise HeteroSDError(f"{out} does not end in .mlpackage", "name the output X.mlpackage")
     report = compile_ane(args.target, args.draft, out, args.window)
     d = report["drift_vs_float32"]
     print(f"wrote {out} and {out.with_suffix('.json')}")
@@ -275,6 +290,10 @@ def cmd_serve(args) -> int:
 
 def cmd_train_draft(args) -> None:
     from hetero_sd.train.command import train_command
+    train_args(args)  # numbers, --data and --out, before any target loads
+    if args.data:
+        from hetero_sd.loading.sources import resolve_target
+        train_vocab(args.data, resolve_target(args.target))
     train_command(args)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import os
 from pathlib import Path
 
@@ -53,30 +54,87 @@ def cost_path(key: dict) -> Path:
     return home() / "costs" / f"{digest}.json"
 
 
-def cached_costs(key: dict) -> Costs | None:
+def cached_costs(key: dict, notes: list[str] | None = None) -> Costs | None:
+    """The saved costs for `key`, or None: no file, another key, a file of the wrong shape (announced
+    in `notes`, naming the file: it is measured again and replaced), or costs measured while the
+    machine was busy that a quiet machine now measures again."""
     path = cost_path(key)
     try:
         saved = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    return Costs.from_json(saved["costs"]) if saved.get("key") == key else None
+    except (OSError, ValueError) as e:
+        return ignored(path, f"unreadable ({type(e).__name__})", notes)
+    if not isinstance(saved, dict) or saved.get("key") != key:
+        return None if isinstance(saved, dict) and "key" in saved else ignored(path, "not a cost file", notes)
+    problem = shape_problem(saved.get("costs"))
+    if problem:
+        return ignored(path, problem, notes)
+    if saved.get("busy") and not machine_busy():
+        if notes is not None:
+            notes.append(f"cached step costs in {path} were measured on a busy machine ({saved['busy']}); "
+                         "measuring them again now that it is quiet")
+        return None
+    try:
+        return Costs.from_json(saved["costs"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return ignored(path, f"a field of the wrong shape ({type(e).__name__}: {e})", notes)
+
+
+def ignored(path: Path, why: str, notes: list[str] | None) -> None:
+    if notes is not None:
+        notes.append(f"ignored the cached step costs in {path}: {why}; measuring them again")
+    return None
+
+
+def shape_problem(costs) -> str | None:
+    """What is wrong with a saved `costs` object, or None: every time a finite number > 0."""
+    if not isinstance(costs, dict):
+        return f"'costs' is {type(costs).__name__}, not an object"
+    times = {"decode_s": costs.get("decode_s")}
+    for table in ("verify_s", "draft_s"):
+        entries = costs.get(table)
+        if not isinstance(entries, dict) or not entries:
+            return f"'{table}' is missing or empty"
+        bad_keys = [k for k in entries if not str(k).isdigit()]
+        if bad_keys:
+            return f"'{table}' has a key that is not a size: {bad_keys[0]!r}"
+        times |= {f"{table}[{k}]": v for k, v in entries.items()}
+    for name, v in times.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            return f"{name} is {v!r}, not a time > 0"
+    return None
+
+
+def machine_busy() -> str | None:
+    """Why the CPU is too busy for costs worth keeping (other processes' runnable threads: the 1-minute
+    load average above 1.5x the cores + 1), or None. Costs measured then are used and cached marked as
+    such; the next load on a quiet machine measures again (they were 70x a quiet step once)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load > 1.5 * cores + 1 else None
 
 
 def costs_for(target, draft, key: dict, notes: list[str]) -> Costs:
     """The cached costs for `key`, or a measurement now (a few seconds, once), saved for next time."""
-    costs = cached_costs(key)
+    costs = cached_costs(key, notes)
     if costs is not None:
         return costs
     context = max(min(512, target.max_context // 2), 1)
     blocks = tuple(b for b in BLOCKS if b < draft.block_size) + (draft.block_size,)
     costs = measure_costs(target, draft, context=context, ks=blocks, blocks=blocks, repeats=3)
+    busy = machine_busy()
     path = cost_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
+        tmp.write_text(json.dumps({"key": key, "costs": costs.to_json(), "busy": busy}, indent=1))
         os.replace(tmp, path)
-        notes.append(f"step costs measured once for this placement ({path})")
+        notes.append(f"step costs measured once for this placement ({path})"
+                     + (f"; the machine was busy ({busy}): measured again when it is quiet" if busy else ""))
     except OSError as e:  # a read-only home: the costs still apply to this runtime
         notes.append(f"step costs measured but not cached ({e}); they will be measured again next time")
     return costs

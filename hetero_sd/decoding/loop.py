@@ -83,6 +83,7 @@ class Request:
     policy: FixedBlock | AutoBlock | None = None  # the size of each step (speculative loops; None without a draft)
     draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
     context_s: float = 0.0  # of which the draft's catch-up on context (long after a plain stretch)
+    reuse: int = 0  # prompt positions already in the target's cache and the draft's context (prefix cache)
 
     def block_size(self) -> int:
         """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
@@ -112,11 +113,11 @@ def checked(logits):
 
 def prefill(r: Request, features: bool):
     def forward_prompt():
-        r.target.crop(0)
-        return r.target.forward(r.prompt_ids, last_only=True, features=features)
+        r.target.crop(r.reuse)  # the prefix cache's positions stay; only the rest is computed
+        return r.target.forward(r.prompt_ids[r.reuse:], last_only=True, features=features)
     out = r.lanes.target("prefill", forward_prompt)
     r.stats.num_prompt_tokens = len(r.prompt_ids)
-    return r.sampler.sample(out.logits)[0], out.features
+    return r.sampler.at(len(r.prompt_ids)).sample(out.logits)[0], out.features
 
 
 def autoregressive(r: Request) -> Iterator[Step]:
@@ -129,7 +130,7 @@ def finish_autoregressive(r: Request, token: int) -> Iterator[Step]:
     """Plain decoding from a state where `token` is emitted but not yet in the target's cache."""
     while not r.budget.done:
         logits = r.lanes.target("decode", lambda: r.target.forward([token], features=False).logits)
-        token = r.sampler.sample(logits)[0]
+        token = r.sampler.at(r.target.length).sample(logits)[0]  # randomness keyed by position (sampling.py)
         r.lanes.step += 1
         yield Step(r.emit([token]))
 
@@ -139,7 +140,7 @@ def plain_step(r: Request, anchor: int, pending: list[torch.Tensor]) -> tuple[St
     context features join `pending`, so that the draft can take over again at any step."""
     began = time.perf_counter()
     out = r.lanes.target("decode", lambda: r.target.forward([anchor]))
-    token = r.sampler.sample(out.logits)[0]
+    token = r.sampler.at(r.target.length).sample(out.logits)[0]
     r.policy.observe_plain(time.perf_counter() - began)
     r.stats.record_plain()
     r.lanes.step += 1
@@ -178,8 +179,8 @@ def timed_draft(r: Request, job) -> torch.Tensor | None:
 def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     """Verify the drafted block in one target forward (`launch` submits it, for the overlap schedule);
     crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
-    drafted, q = draft_tokens(r.sampler, logits, r.rule)
     start = r.target.length
+    drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule)  # row i: position start + 1 + i
     began = time.perf_counter()
     if launch is None:
         out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
@@ -201,7 +202,7 @@ def speculative(r: Request) -> Iterator[Step]:
     anchor, features = prefill(r, features=True)
     pending = [features]
     yield Step(r.emit([anchor]))
-    r.draft.crop(0)
+    r.draft.crop(r.reuse)
     while not r.budget.done:
         size = r.block_size()
         if size == PLAIN:
@@ -232,7 +233,7 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
     anchor, features = prefill(r, features=True)
     pending = [features]
     yield Step(r.emit([anchor]))
-    r.draft.crop(0)
+    r.draft.crop(r.reuse)
     ready, pace = None, Pace()  # ready: the block pre-drafted for this anchor, if a guess was right
     while not r.budget.done:
         size = r.block_size()

@@ -10,6 +10,8 @@ candidate selector (selection.py): q is zero off each position's candidates, the
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,21 +44,42 @@ class SamplingParams:
 
 
 class Sampler:
+    """Randomness as a function of (seed, position): every draw for the token at absolute position n
+    comes from a hash of (seed, n, purpose), never from a stream shared across steps. A seeded
+    generation is then the same whatever block sizes the controller picks (a block samples each of its
+    positions exactly as plain steps would), and under `match` it equals seeded autoregressive sampling
+    token for token. Positions a block drafted but did not emit are drawn again by the next block with
+    the same values; that keeps the rules lossless because nothing emitted depended on them (each
+    rule stops at the first rejected position). The loop sets `position` (the row-0 position of the
+    next block or step); calls that name no offset get a fresh key per call at that position."""
+
     def __init__(self, params: SamplingParams, seed: int | None = None):
         self.params = params
         self.history = History()  # the prompt (the runtime sets it) and the emitted tokens: penalties
-        self.seed = seed
-        self.generators: dict[torch.device, torch.Generator] = {}
+        self.seed = secrets.randbits(64) if seed is None else seed
+        self.position = 0
+        self.calls = 0  # draws at this position that named no offset (each gets its own key)
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        if device not in self.generators:
-            g = torch.Generator(device=device)
-            if self.seed is None:
-                g.seed()
-            else:
-                g.manual_seed(self.seed)
-            self.generators[device] = g
-        return self.generators[device]
+    def at(self, position: int) -> "Sampler":
+        self.position, self.calls = position, 0
+        return self
+
+    def key(self, offset: int | None, purpose: str) -> int:
+        if offset is None:
+            offset, purpose = 0, f"{purpose}#{self.calls}"
+            self.calls += 1
+        h = hashlib.blake2b(f"{self.seed}/{self.position + offset}/{purpose}".encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little")
+
+    def uniforms(self, n: int, offset: int | None, purpose: str) -> list[float]:
+        """n values in [0, 1): row i at position + offset + i (53 random bits each)."""
+        if offset is None:
+            return [(self.key(None, purpose) >> 11) * 2.0 ** -53 for _ in range(n)]
+        return [(self.key(offset + i, purpose) >> 11) * 2.0 ** -53 for i in range(n)]
+
+    def generator(self, device: torch.device, purpose: str = "select") -> torch.Generator:
+        """A torch generator keyed by (seed, position, purpose), for samplers that need one (DFlash2)."""
+        return torch.Generator(device=device).manual_seed(self.key(0, purpose))
 
     def penalize(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> torch.Tensor:
         """The penalties, given the tokens emitted so far (and drafted[:i] for row i: penalties.py)."""
@@ -82,23 +105,28 @@ class Sampler:
             cumulative = sorted_logits.softmax(-1).cumsum(-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+            drop[..., 0] = False  # a top_p that rounds to 0 in float32 (1e-46) still keeps the likeliest
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         if p.min_p > 0:
             logits = min_p_filter(logits, p.min_p)
         return logits.softmax(-1)
 
-    def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(probs, 1, generator=self.generator(probs.device)).squeeze(-1)
+    def draw(self, probs: torch.Tensor, offset: int | None = None, purpose: str = "sample") -> torch.Tensor:
+        """One token per row by inverse CDF (float64, so a zero-probability token is never drawn)."""
+        u = torch.tensor(self.uniforms(probs.shape[0], offset, purpose), dtype=torch.float64, device=probs.device)
+        cdf = probs.double().cumsum(-1)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        return idx.clamp_max(probs.shape[-1] - 1)
 
     def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> list[int]:
-        """One token per row."""
+        """One token per row, row i being the token at position + i."""
         if self.params.greedy:
             return self.penalize(logits, drafted).argmax(-1).tolist()
-        return self.draw(self.probs(logits, drafted)).tolist()
+        return self.draw(self.probs(logits, drafted), 0).tolist()
 
-    def uniform(self, device: torch.device) -> float:
-        return torch.rand((), generator=self.generator(device), device=device).item()
+    def uniform(self, device: torch.device, offset: int | None = None) -> float:
+        return self.uniforms(1, offset, "accept")[0]
 
 
 @dataclass
@@ -115,7 +143,7 @@ def draft_tokens(sampler: Sampler, draft_logits, rule: str) -> tuple[list[int], 
     if sampler.params.greedy or rule == "match":
         return draft_logits.argmax(-1).tolist(), None
     q = sampler.probs(draft_logits)
-    return sampler.draw(q).tolist(), q
+    return sampler.draw(q, 0, "draft").tolist(), q
 
 
 def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q: torch.Tensor | None,
@@ -135,10 +163,10 @@ def rejection(sampler: Sampler, p: torch.Tensor, drafted: list[int], q: torch.Te
     d = torch.tensor(drafted, device=p.device)
     ratio = (p[idx, d] / q[idx, d]).tolist()
     for i, r in enumerate(ratio):
-        if sampler.uniform(p.device) >= r:  # reject: resample from the residual distribution
+        if sampler.uniform(p.device, i) >= r:  # reject: resample from the residual distribution
             residual = (p[i] - q[i]).clamp_min(0)
             total = residual.sum()
             # total == 0 only when p == q, where a rejection has probability zero; guard rounding.
-            correction = sampler.draw((residual / total if total > 0 else p[i])[None])[0].item()
+            correction = sampler.draw((residual / total if total > 0 else p[i])[None], i, "residual")[0].item()
             return Verdict(i, drafted[:i] + [correction])
-    return Verdict(len(drafted), drafted + [sampler.draw(p[len(drafted)][None])[0].item()])
+    return Verdict(len(drafted), drafted + [sampler.draw(p[len(drafted)][None], len(drafted))[0].item()])

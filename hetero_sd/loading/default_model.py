@@ -32,7 +32,40 @@ def embedded_gguf() -> Path:
 
 
 def default_target_folder() -> Path:
-    return ensure_converted(embedded_gguf(), home() / "models" / DEFAULT_TARGET)
+    """The converted default model, checked (cheaply) first: a damaged copy is announced and converted
+    again, so that `hetero-sd fetch default` (and any load) repairs it."""
+    folder = home() / "models" / DEFAULT_TARGET
+    problem = converted_problem(folder) if (folder / _DONE).is_file() else None
+    if problem:
+        say(f"the converted model in {folder} is damaged ({problem}): converting it again")
+        try:
+            (folder / _DONE).unlink()
+        except OSError as e:
+            raise HomeError(f"the converted model in {folder} is damaged ({problem}) and cannot be removed "
+                            f"({e.strerror})", f"delete {folder} by hand, then run hetero-sd fetch default") from None
+    return ensure_converted(embedded_gguf(), folder)
+
+
+def converted_problem(folder: Path) -> str | None:
+    """What is wrong with a converted folder, or None: config.json and the tokenizer parse, and
+    model.safetensors holds every byte its header promises (reads the header only)."""
+    import struct
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        if not isinstance(config, dict) or not isinstance(config.get("hidden_size"), int):
+            return "config.json has no integer hidden_size"
+        json.loads((folder / "tokenizer.json").read_text())
+        weights = folder / "model.safetensors"
+        with open(weights, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if weights.stat().st_size != 8 + n + end:
+            return f"model.safetensors has {weights.stat().st_size} bytes, its header needs {8 + n + end}"
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"
+    return None
 
 
 def gguf_folder(gguf: Path) -> Path:
