@@ -181,3 +181,27 @@ def exact_joint(folder, prompt, vocab: int, steps: int, params: SamplingParams) 
             p = probs(model(torch.tensor([prompt + list(x) for x in prefixes])).logits[:, -1]).double()
         joint = {pre + (t,): joint[pre] * p[i, t].item() for i, pre in enumerate(prefixes) for t in range(vocab)}
     return joint
+
+
+def test_a_multimodal_qwen3_5_checkpoint_runs_its_language_model(tmp_path):
+    """Published Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration (model_type qwen3_5, the decoder
+    under text_config, vision weights beside it): the target is its language model, greedy-identical to
+    the whole model's own generate."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from .conftest import tiny_tokenizer
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, eos_token_id=1, initializer_range=0.2,
+                max_position_embeddings=512, **FAMILIES["qwen3_5_text"])
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model.save_pretrained(str(tmp_path))
+    tiny_tokenizer(tmp_path, VOCAB)
+    rt = hetero_sd.load(str(tmp_path), "random:1", block_size=4)
+    assert rt.info["target_path"] == "transformers" and rt.target.config.hidden_size == 64
+    model.generation_config.eos_token_id = None
+    reference = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+    assert rt.generate(PROMPT, max_new_tokens=12, speculative=False).token_ids == reference
+    assert rt.generate(PROMPT, max_new_tokens=12).token_ids == reference

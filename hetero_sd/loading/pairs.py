@@ -60,6 +60,6 @@ def auto_draft(target: str) -> str:
     draft = published_draft(target)
     if draft is None:
         raise ConfigError(f"no published DFlash draft is known for target {target!r} (--draft auto knows "
-                          f"{len(PAIRS)} targets: {', '.join(sorted(BY_NAME))})",
+                          f"{len(PAIRS)} targets: {', '.join(PAIRS)})",
                           "pass --draft FOLDER or org/name, 'random' to try the machinery, or 'none'")
     return draft
