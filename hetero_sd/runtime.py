@@ -86,11 +86,19 @@ class Slots:
         self.target, self.draft, self.target_lane, self.draft_lane = target, draft, target_lane, draft_lane
         self.free = [(target, draft)]
         self.lock = threading.Lock()
+        # The prefix cache: id(target) -> (the token ids its KV cache holds, how many of them the draft's
+        # context holds), recorded when a generation gives its pair back.
+        self.held: dict[int, tuple[list[int], int]] = {}
 
-    def take(self) -> tuple[TargetBackend, DraftBackend | None]:
+    def take(self, prompt_ids: Sequence[int] = ()) -> tuple[TargetBackend, DraftBackend | None]:
+        """A free pair (the one whose caches share the longest prefix with prompt_ids), or a new fork."""
         with self.lock:
             if self.free:
-                return self.free.pop()
+                if not (prompt_ids and self.held):
+                    return self.free.pop()
+                best = max(range(len(self.free)), key=lambda i: common_prefix(
+                    self.held.get(id(self.free[i][0]), ([], 0))[0], prompt_ids))
+                return self.free.pop(best)
         # Forks allocate on the device, so they run on its lane (device-affine runtimes need that).
         target = self.target_lane.call(self.target.fork)
         draft = None if self.draft is None else self.draft_lane.call(self.draft.fork)
@@ -99,6 +107,32 @@ class Slots:
     def give(self, pair: tuple) -> None:
         with self.lock:
             self.free.append(pair)
+
+    def reusable(self, pair: tuple, prompt_ids: Sequence[int], use_draft: bool) -> int:
+        """How many prompt positions this pair's caches already hold (at least one token is left to
+        compute: the prefill's logits come from it)."""
+        ids, in_draft = self.held.pop(id(pair[0]), ([], 0))
+        n = min(common_prefix(ids, prompt_ids), len(prompt_ids) - 1)
+        return max(min(n, in_draft) if use_draft else n, 0)
+
+    def remember(self, pair: tuple, req: decoding.Request | None) -> None:
+        """What the pair's caches hold after `req` (None: unknown, nothing is reused)."""
+        if req is None:
+            self.held.pop(id(pair[0]), None)
+            return
+        ids = list(req.prompt_ids) + req.sampler.history.output
+        n = min(len(ids), pair[0].length)  # a budget cut may leave accepted tokens that were never emitted
+        drafted = req.draft is pair[1] and pair[1] is not None and not req.stats.fallback
+        self.held[id(pair[0])] = (ids[:n], min(n, pair[1].context_length) if drafted else 0)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Runtime:
@@ -123,6 +157,9 @@ class Runtime:
         self.draft_lane = Lane("draft", draft.device if draft else target.device)
         self.slots = Slots(target, draft, self.target_lane, self.draft_lane)
         self.closed = False
+        # Reuse the KV cache and the draft's context of the longest prompt prefix a finished generation
+        # left (a new turn of a conversation): `hetero-sd serve` and the chat app turn it on.
+        self.prefix_cache = False
 
     @property
     def block_size(self) -> int:
@@ -202,8 +239,12 @@ class Runtime:
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
 
     def in_slot(self, req: decoding.Request, loop, use_draft: bool, draft=None) -> Iterator[decoding.Step]:
-        """Run a decoding loop on caches of its own, taken at its first step and given back at its end."""
-        pair = self.slots.take()
+        """Run a decoding loop on caches of its own, taken at its first step and given back at its end.
+        With the prefix cache, the pair whose caches share the longest prefix with the prompt is taken,
+        and the prefill computes only the rest."""
+        cache = self.prefix_cache and draft is None  # bench's reference draft is a fresh fork
+        pair = self.slots.take(req.prompt_ids if cache else ())
+        whole = False  # the caches hold exactly what the generation emitted (ended, or closed between steps)
         try:
             req.target = pair[0]
             if use_draft:
@@ -211,8 +252,15 @@ class Runtime:
                 if isinstance(req.draft, ShadowedDraft):  # drift of this generation
                     req.draft.meter = req.stats.drift = Drift(req.draft.device)
             req.lanes.bind(req.target, req.draft)
+            if cache:
+                req.reuse = req.stats.num_cached_tokens = self.slots.reusable(pair, req.prompt_ids, use_draft)
             yield from loop(req)
+            whole = True
+        except GeneratorExit:
+            whole = True
+            raise
         finally:
+            self.slots.remember(pair, req if cache and whole else None)
             self.slots.give(pair)
 
     def events(self, steps, stats: Stats, policy=None) -> Iterator[StreamEvent]:

@@ -120,6 +120,19 @@ def test_penalties_and_min_p_reach_the_sampler(runtime, client):
     assert want.text != reference(runtime, 20).text  # the penalties changed the text
 
 
+def test_next_turn_reuses_the_conversation(runtime, client):
+    first = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, temperature=0)
+    convo = PROMPT + [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "t7 t8"}]
+    second = client.chat.completions.create(model=MODEL, messages=convo, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    runtime.prefix_cache = False
+    try:
+        assert second.choices[0].message.content == reference(runtime, 8, convo).text
+    finally:
+        runtime.prefix_cache = True
+
+
 def test_stop_text_holds_back_partial_matches():
     s = StopText(["</s>", "xyz"])
     assert s.feed("ab<") == "ab"  # "<" may start "</s>"

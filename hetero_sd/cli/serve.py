@@ -26,6 +26,8 @@ def add_parser(sub, add_model_args, add_sampling_args) -> None:
     s.add_argument("--workers", type=int, default=4,
                    help="generations in flight at once (interleaved on the devices; each holds its own caches)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait for a worker; more get a 429")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (default: a new turn reuses the caches of the conversation so far)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds SIGTERM/Ctrl-C lets requests in flight finish before cancelling them")
 
@@ -55,7 +57,8 @@ def cmd_serve(args) -> int:
         err.print(f"[yellow]note:[/] {note}")
     settings = Settings(args.served_model_name or model_name(rt), api_key, args.workers, args.queue,
                         args.max_new_tokens, dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                                  seed=args.seed, rule=args.rule))
+                                                  seed=args.seed, rule=args.rule),
+                        prefix_cache=not args.no_prefix_cache)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "

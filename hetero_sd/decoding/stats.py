@@ -20,6 +20,7 @@ class Stats:
     target_dtype: str = ""  # the target's numerics: a bfloat16 target is a different target than float32
     draft_dtype: str = ""  # the draft's numerics (never reach the output; bf16 on CPUs with native bf16)
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     num_generated_tokens: int = 0
     num_drafts: int = 0  # verify steps that checked a drafted block
     num_draft_tokens: int = 0

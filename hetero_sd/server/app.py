@@ -34,6 +34,7 @@ class Settings:
     queue: int = 16
     max_tokens: int = 256  # when a request names none (and it fits the context)
     defaults: dict | None = None  # temperature, top_p, top_k, seed, rule (the generate flags)
+    prefix_cache: bool = True  # a new turn reuses the caches of the conversation so far (Runtime.prefix_cache)
 
 
 def model_name(runtime) -> str:
@@ -45,6 +46,7 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
     settings = settings or Settings(model_name(runtime))
     metrics = Metrics(settings.model_name)
     engine = Engine(runtime, metrics, settings.workers, settings.queue)
+    runtime.prefix_cache = settings.prefix_cache
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -171,8 +173,10 @@ class Reply:
         self.object = "chat.completion" if kind == "chat" else "text_completion"
 
     def usage(self, outcome: Outcome) -> dict:
+        cached = outcome.stats.num_cached_tokens if outcome.stats is not None else 0
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": outcome.tokens,
-                "total_tokens": self.prompt_tokens + outcome.tokens}
+                "total_tokens": self.prompt_tokens + outcome.tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def speculative(self, outcome: Outcome) -> dict | None:
         s = outcome.stats
