@@ -13,6 +13,7 @@ from hetero_sd.models.config import ArchConfig, DraftConfig
 
 from . import torch_backend
 from .base import DraftBackend, TargetBackend
+from .policy import DEFAULT, LoadPolicy
 from .shadow import ShadowedDraft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,9 +65,9 @@ def target_dtype_note(dtype: torch.dtype) -> str:
 
 
 def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids, max_context,
-                   notes: list[str] | None = None) -> TargetBackend:
+                   notes: list[str] | None = None, policy: LoadPolicy = DEFAULT) -> TargetBackend:
     """The target on its device; notes say what the caller might not expect (a reduced-precision target,
-    a kernel that did not build here)."""
+    a kernel that did not build here). The torch backend makes its weight plan from `policy`."""
     if device == "mlx":
         from . import mlx_backend
         return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
@@ -79,25 +80,27 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
     dtype = resolve_dtype(dtype, device)
     if device == "cpu" and dtype != torch.float32 and notes is not None:
         notes.append(target_dtype_note(dtype))
-    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context, activations)
+    target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context, activations, policy)
     if notes is not None:
         notes += target.notes
     return target
 
 
 def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend, device: str, dtype, mask: int,
-                  tensors: dict, notes: list[str]) -> DraftBackend:
+                  tensors: dict, notes: list[str], policy: LoadPolicy = DEFAULT) -> DraftBackend:
     """The draft on its device, paired with `target` (it shares the target's embedding and head)."""
     if device == "mlx":
         dcfg.format.require_plain("the MLX backend")
         from . import mlx_backend
         return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
     if device not in NEURAL_ENGINE:
-        draft = torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors)
+        draft = torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors,
+                                         policy=policy)
         notes += draft.notes  # e.g. the head it multiplies, a kernel that did not build
         return draft
     dcfg.format.require_plain(f"the Neural Engine graph (draft device {device})")
-    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors, int8_head=False)
+    reference = torch_backend.load_draft(dfolder, dcfg, target, "cpu", torch.float32, mask, tensors, int8_head=False,
+                                         policy=policy)
     if device == "ane-sim":
         from .coreml import AneSimDraft
 

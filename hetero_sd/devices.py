@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import re
 from dataclasses import dataclass
@@ -9,6 +10,28 @@ from dataclasses import dataclass
 import torch
 
 from hetero_sd.errors import DeviceUnavailableError, UnknownDeviceError
+
+# The flags that decide which kernels and dtypes pay (bf16 matmuls are native with avx512_bf16 or AMX).
+NOTABLE_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def capability() -> str:
+    """torch's CPU dispatch level and the notable flags, e.g. 'AVX512; amx_bf16, avx512_bf16, ...'."""
+    extras = sorted(cpu_flags() & NOTABLE_FLAGS)
+    return torch.backends.cpu.get_cpu_capability() + (f"; {', '.join(extras)}" if extras else "")
+
 
 KNOWN = "cpu, cuda, cuda:N, mps, mlx, ane-sim (drafts), ane / coreml-gpu / coreml-cpu (drafts, macOS)"
 DRAFT_ONLY = ("ane-sim", "ane", "coreml-gpu", "coreml-cpu")

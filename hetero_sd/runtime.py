@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -28,6 +29,7 @@ from hetero_sd.decoding.stats import Stats
 from hetero_sd.decoding.timeline import Timeline
 from hetero_sd.devices import cpu_bound
 from hetero_sd.errors import ConfigError, DeviceFailedError, PromptTooLongError, RuntimeClosedError
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.loading.loader import load_models
 from hetero_sd.loading.templates import ChatOptions, chat_ids, chat_options
 
@@ -61,17 +63,26 @@ class DraftStep:
 
 
 class TextStream:
-    """Incremental detokenisation that never emits half a UTF-8 character."""
+    """Incremental detokenisation that never emits half a UTF-8 character: tokenizers' DecodeStream, which
+    decodes each new token against a few before it (not the whole answer again at every step)."""
 
     def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast (Rust) tokenizer's
+        self.decoder = DecodeStream(skip_special_tokens=True) if self.backend is not None else None
 
     def add(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.text = text[len(self.text):], text
+        if self.decoder is None:  # a slow (Python) tokenizer: decode the whole text again
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return ""
+            delta, self.text = text[len(self.text):], text
+            return delta
+        delta = "".join(piece for i in ids if (piece := self.decoder.step(self.backend, i)))
+        self.text += delta
         return delta
 
 
@@ -394,28 +405,15 @@ def pipelined(rt: Runtime, jobs: list[dict], timeline: Timeline, kwargs: dict) -
     weights (Runtime.slots). The lanes serialise each device, so the two requests interleave: A
     verifies while B drafts."""
     results: list[Generation | None] = [None] * len(jobs)
-    queue = list(reversed(jobs))
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def worker():
-        while not errors:
-            with lock:
-                if not queue:
-                    return
-                job = queue.pop()
-            try:
-                results[job["request"]] = rt.collect(timeline=timeline, schedule="sequential", **job, **kwargs)
-            except BaseException as e:  # re-raised in the caller's thread
-                errors.append(e)
-
-    threads = [threading.Thread(target=worker, name=f"hetero-sd-request-{i}") for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="hetero-sd-request") as pool:
+        futures = {pool.submit(rt.collect, timeline=timeline, schedule="sequential", **job, **kwargs): job
+                   for job in jobs}
+        for future in as_completed(futures):  # the first failure cancels the jobs not yet started
+            if future.exception() is not None:
+                for other in futures:
+                    other.cancel()
+                raise future.exception()
+            results[futures[future]["request"]] = future.result()
     for g in results:
         g.stats.schedule = "pipeline"
     return results
@@ -443,7 +441,7 @@ def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
          block_size: int | str | None = None,
-         max_context: int | None = None, cpu_threads: int | None = None,
+         max_context: int | None = None, cpu_threads: int | None = None, policy: LoadPolicy | None = None,
          system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
 
@@ -459,7 +457,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
     under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
-    or a size from 2 to the draft's own, used on every step. draft="auto": the published draft of a
+    or a size from 2 to the draft's own, used on every step. policy: how the backends may store and multiply
+    the weights (backends/policy.py: GGUF blocks, fused ops, the GEMM kernel, the draft's int8 head); the
+    default allows everything this machine runs; the CLI builds it from the HETERO_SD_* variables. draft="auto": the published draft of a
     known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
     """
     validate.load_args(target=target, draft=draft, target_device=target_device, draft_device=draft_device,
@@ -468,7 +468,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     options = chat_options(system_prompt, chat_template_kwargs)  # checked before any model work
     loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,
                          dtype=dtype, draft_dtype=draft_dtype, block_size=block_size, max_context=max_context,
-                         cpu_threads=cpu_threads)
+                         cpu_threads=cpu_threads, policy=policy or DEFAULT)
     t, d, info = loaded.target, loaded.draft, loaded.info
     if d is None:
         rt = Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hetero_sd
+from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.backends.torch_backend import fused
 from hetero_sd.backends.torch_backend.layers import apply_rope, rms_norm
 from hetero_sd.backends.torch_backend.gemm import KernelUnavailable
@@ -85,8 +86,7 @@ def test_fused_target_is_the_torch_op_target(tiny_llama, monkeypatch, ext):
     prompt = [5, 9, 12, 20, 7, 33, 2, 14]
     fast = hetero_sd.load(str(tiny_llama), "random:1", block_size=4)
     assert fast.target.fused
-    monkeypatch.setenv("HETERO_SD_FUSED", "off")
-    slow = hetero_sd.load(str(tiny_llama), "random:1", block_size=4)
+    slow = hetero_sd.load(str(tiny_llama), "random:1", block_size=4, policy=LoadPolicy(fused=False))
     assert not slow.target.fused
     outs = []
     for rt in (fast, slow):

@@ -33,8 +33,11 @@ def random_rows(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture
 def on_isa(monkeypatch):
+    """The kernels built while it is on take this ISA (LoadPolicy.quant_isa, as the weight plan passes it)."""
+    choose = quant.isa
+
     def use(name):
-        monkeypatch.setenv("HETERO_SD_QUANT_ISA", name)
+        monkeypatch.setattr(quant, "isa", lambda prefer=name, flags=None: choose(prefer, flags))
         assert quant.isa() == name
     return use
 
@@ -124,16 +127,11 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.", "Ex
 @pytest.fixture(scope="module")
 def both(default_folder):
     """The default target with the cpu-trained draft: quantized (the default) and float32 (opted out)."""
-    import os
-
     import hetero_sd
+    from hetero_sd.cli.policy import policy_from_env
 
     quantized = hetero_sd.load("default", "cpu-trained", block_size=16)
-    os.environ["HETERO_SD_QUANT"] = "off"
-    try:
-        plain = hetero_sd.load("default", "cpu-trained", block_size=16)
-    finally:
-        del os.environ["HETERO_SD_QUANT"]
+    plain = hetero_sd.load("default", "cpu-trained", block_size=16, policy=policy_from_env({"HETERO_SD_QUANT": "off"}))
     return quantized, plain
 
 

@@ -23,8 +23,11 @@ ISAS = ["avx2"] + (["avx512"] if {"avx512bw", "avx512_vnni"} <= cpu_flags() else
 
 @pytest.fixture
 def on_isa(monkeypatch):
+    """The kernels built while it is on take this ISA (LoadPolicy.quant_isa, as the weight plan passes it)."""
+    choose = quant8.isa
+
     def use(name):
-        monkeypatch.setenv("HETERO_SD_QUANT_ISA", name)
+        monkeypatch.setattr(quant8, "isa", lambda prefer=name, flags=None: choose(prefer, flags))
         assert quant8.isa() == name
     return use
 
@@ -76,10 +79,8 @@ def test_amx_tiles_give_bitwise_what_vnni_gives(monkeypatch, kind, n, k):
     epilogue, so a position's logits cannot depend on which path its row took."""
     rows = random_rows(kind, n, k, seed=5)
     x = torch.randn(40, k)
-    monkeypatch.setenv("HETERO_SD_AMX_ROWS", "0")
-    vnni = quant8.Int8Blocks(kind, rows, None)
-    monkeypatch.setenv("HETERO_SD_AMX_ROWS", "2")
-    amx = quant8.Int8Blocks(kind, rows, None)
+    vnni = quant8.Int8Blocks(kind, rows, None, amx=0)  # LoadPolicy.amx_rows
+    amx = quant8.Int8Blocks(kind, rows, None, amx=2)
     assert amx.ext.amx_ready()
     for m in (2, 9, 16, 17, 40):
         assert torch.equal(amx(x[:m]), vnni(x[:m]))

@@ -11,7 +11,7 @@ import torch
 
 from hetero_sd.models.config import ArchConfig
 
-from hetero_sd.backends.torch_backend.layers import inv_frequencies, layer_weights
+from hetero_sd.models.layout import inv_frequencies, layer_weights
 
 
 def to_mx(t, dtype=mx.float32):

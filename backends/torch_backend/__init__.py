@@ -10,7 +10,9 @@ from hetero_sd.models.config import ArchConfig, DraftConfig
 from hetero_sd.models.draft_format import check_tensors
 from hetero_sd.models.weights import load_weights
 
-from .cpu import native_bf16
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
+
+from .cpu import cpu_flags, native_bf16
 from .draft import TorchDraft
 from .target import TorchTarget
 
@@ -34,24 +36,25 @@ def default_draft_dtype(device: str, target_dtype: torch.dtype, stored: torch.dt
 
 
 def load_target(folder: Path, cfg: ArchConfig, device: str, dtype: torch.dtype, layer_ids=(),
-                max_context: int | None = None, activations: str = "float32") -> TorchTarget:
-    return TorchTarget(cfg, load_weights(folder), folder, device, dtype, layer_ids, max_context, activations)
+                max_context: int | None = None, activations: str = "float32",
+                policy: LoadPolicy = DEFAULT) -> TorchTarget:
+    """The target with the weight plan made from `policy` and this CPU's flags (plan.py)."""
+    return TorchTarget(cfg, load_weights(folder), folder, device, dtype, layer_ids, max_context, activations,
+                       policy, cpu_flags())
 
 
-def load_draft(folder: Path, cfg: DraftConfig, target: TorchTarget, device: str, dtype: torch.dtype,
-               mask_token_id: int, tensors: dict | None = None, int8_head: bool = True) -> TorchDraft:
+def load_draft(folder: Path, cfg: DraftConfig, target, device: str, dtype: torch.dtype,
+               mask_token_id: int, tensors: dict | None = None, int8_head: bool = True,
+               policy: LoadPolicy = DEFAULT) -> TorchDraft:
     """int8_head=False: the target's own head (a float32 reference that measures another draft's drift
-    must not carry the int8 head's rounding)."""
+    must not carry the int8 head's rounding); the policy can turn the int8 head off too."""
     tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
+    # another backend's target (MLX) has no torch head to share: the draft then makes its own
+    head, note = target.head_for(device, dtype, int8_head and policy.draft_int8_head) \
+        if isinstance(target, TorchTarget) else (None, None)
     return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
-                      feature_size, mask_token_id, target.max_context,
-                      draft_head(target) if int8_head else getattr(target, "mm_head", None))
-
-
-def draft_head(target):
-    """The target's head as the draft should multiply it (TorchTarget.draft_head), or None (another backend)."""
-    return target.draft_head() if hasattr(target, "draft_head") else getattr(target, "mm_head", None)
+                      feature_size, mask_token_id, target.max_context, head, policy=policy, head_note=note)
 
 
 def as_torch(x) -> torch.Tensor:

@@ -17,10 +17,10 @@ from hetero_sd.models.weights import take
 
 from ..base import DraftBackend, ModelWeights
 from .dflash2 import Selector, conv_layer, layer_convs
-from .gemm import Packed
-from .quant import Quantized
-from .quant8 import Int8Blocks
-from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
+
+from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm
+from .plan import WeightPlan
 
 
 class TorchDraft(CacheOwner, DraftBackend):
@@ -30,7 +30,10 @@ class TorchDraft(CacheOwner, DraftBackend):
 
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
-                 max_context: int, lm_head_mm=None, pack: bool = True):
+                 max_context: int, lm_head_mm=None, pack: bool = True, policy: LoadPolicy = DEFAULT,
+                 head_note: str | None = None):
+        """lm_head_mm: what the target's head is multiplied by for this draft (TorchTarget.head_for), else
+        the draft packs its own; pack=False: no plan, the tensors as they are (training)."""
         arch = self.arch = cfg.arch
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
@@ -38,13 +41,16 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.fc = orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype))
         self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
         self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
-        self.notes: list[str] = []
-        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), self.notes,
-                                    pack) for i in range(arch.num_hidden_layers)]
+        plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
+        plan.note_gemm_off()
+        multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
+        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply)
+                       for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
         self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype))
-        self.mm_head = shared_multiplier(self.lm_head, lm_head_mm, self.notes) if pack else self.lm_head
-        self.mm_fc = multiplier(self.fc, self.notes) if pack else self.fc
+        self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
+        self.mm_fc = plan.dense(self.fc) if pack else self.fc
+        self.notes: list[str] = plan.notes + ([head_note] if head_note and pack else [])
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
@@ -87,7 +93,7 @@ class TorchDraft(CacheOwner, DraftBackend):
 
     def read_bytes(self) -> int | None:
         """Weight bytes a block reads when its head is the target's GGUF blocks (the cost floor), else None."""
-        if not isinstance(self.mm_head, Quantized):
+        if not getattr(self.mm_head, "blocks", False):
             return None
         mats = [getattr(layer, a) for layer in self.layers for a in ("wqkv", "wo", "w_gate_up", "w_down")]
         return self.mm_head.nbytes + sum(m.numel() * m.element_size() for m in mats)
@@ -118,7 +124,7 @@ class TorchDraft(CacheOwner, DraftBackend):
             keys, values = write(k, v)
             h = layer.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
-        rows = self.last_hidden.float() if isinstance(self.mm_head, Quantized) else self.last_hidden
+        rows = self.last_hidden.float() if getattr(self.mm_head, "blocks", False) else self.last_hidden
         logits = output_logits(linear(rows, self.mm_head), self.format).float()
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
 
@@ -168,18 +174,3 @@ def block_masks(attention, start: int, position: int, size: int, device) -> list
                 visible &= keys - queries < a.window
         masks.append(None if a.plain else visible)
     return masks
-
-
-def shared_multiplier(lm_head: torch.Tensor, target_mm, notes: list[str]):
-    """The target's packed lm_head when the draft multiplies the very same tensor (no second 113 MB copy).
-    A target head kept as GGUF blocks (quant.Quantized) serves a float32 draft too: bitwise the same
-    weights, and its Q8_0 kernel multiplies 16 rows ~2x faster than the packed float32 head (one core of
-    the Sapphire Rapids Xeon: 7.7 vs 15.8 ms). A bf16 draft keeps its own bf16 head (~3.8 ms there)."""
-    if isinstance(target_mm, Int8Blocks) and lm_head.device.type == "cpu":  # any dtype: rows go in as float32
-        notes.append(f"draft head: the GGUF's {target_mm.kind} head blocks times int8 rows ({target_mm.nbytes / 1e6:.0f} MB "
-                     "read per block instead of a bf16 head's 2 bytes per weight; the target verifies every token)")
-        return target_mm
-    fallback = target_mm.fallback if isinstance(target_mm, Quantized) else target_mm
-    if isinstance(fallback, Packed) and fallback.source == Packed.identity(lm_head):
-        return target_mm
-    return multiplier(lm_head, notes)

@@ -1,23 +1,19 @@
 """Llama/Qwen3 decoder pieces in plain torch, shared by the target and the DFlash draft.
 
-Projections are fused (q|k|v and gate|up) and presented as [in, out] matrices (`x @ W_t`), stored in
-whichever memory layout multiplies fastest for their dtype (see `orient`):
-- float32: contiguous [in, out]. MKL multiplies a 16-row block by a pre-transposed weight ~4x faster
-  than F.linear does with the [out, in] layout (benchmarks/matmul_layout.py, AVX2 EPYC).
-- bfloat16 on the CPU: the transposed view of a contiguous [out, in] weight, multiplied as (W @ x^T)^T.
-  That operand order reaches oneDNN's AMX/AVX512-BF16 GEMM; x @ W_t and F.linear take slower paths
-  (lm_head at 16 rows on a Sapphire Rapids core: 3.8 ms vs 7-12 ms; float32 38 ms). One row is padded to
-  two, since a single row falls to a GEMV that is no faster than float32 (benchmarks/README.md)."""
+Projections are fused (q|k|v and gate|up) and presented as [in, out] matrices (`x @ W_t`, matmul.py);
+what a layer multiplies by is chosen by the weight plan (plan.py) while the layer is built."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.models.config import ArchConfig
+from hetero_sd.models.layout import inv_frequencies, layer_shapes, layer_weights  # noqa: F401  (re-exported)
 
-from .gemm import KernelUnavailable, Packed
-from .quant import Quantized
+from .matmul import linear, orient, row_major, rows_times  # noqa: F401  (the layer's matmuls; re-exported)
+from .plan import KERNEL_NOTE, WeightPlan
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,69 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def row_major(device, dtype: torch.dtype) -> bool:
-    """Whether weights of this dtype are kept [out, in] in memory (see the module docstring)."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
-
-
-def orient(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight as the [in, out] matrix `linear` takes, in the layout that is fastest for it."""
-    return weight.contiguous().t() if row_major(weight.device, weight.dtype) else weight.t().contiguous()
-
-
-def linear(x: torch.Tensor, weight_t, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for W presented as [in, out]: contiguous, the transposed view of a row-major W, or packed
-    for the float32 kernel (gemm.Packed, see `multiplier`), or GGUF blocks (quant.Quantized: decode and
-    verify rows; longer inputs multiply its float32 fallback)."""
-    if isinstance(weight_t, Quantized):
-        y = weight_t(x) if weight_t.takes(x) else linear(x, weight_t.fallback)
-    elif isinstance(weight_t, Packed):
-        y = weight_t(x)
-    else:
-        y = x @ weight_t if weight_t.stride(-1) == 1 else rows_times(x, weight_t.t())
-    return y if bias is None else y + bias
-
-
-def multiplier(weight_t: torch.Tensor, notes: list[str] | None = None):
-    """What `linear` should multiply by: float32 CPU weights packed for the decoding GEMM (gemm.py), when
-    its kernel builds on this CPU (otherwise the reason goes to `notes`, once); others as they are."""
-    if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32:
-        return weight_t
-    try:
-        return Packed(weight_t)
-    except KernelUnavailable as e:
-        if notes is not None and not any(n.startswith(KERNEL_NOTE) for n in notes):
-            notes.append(f"{KERNEL_NOTE}: {e}; float32 matmuls use torch's (slower for verify-sized blocks)")
-        return weight_t
-
-
-KERNEL_NOTE = "float32 decoding GEMM kernel unavailable"
-
-
-def rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T computed as (w @ x^T)^T for a contiguous w [out, in]; rows are computed independently
-    (identical results for a row alone or in a block), so decode and verify agree exactly."""
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if rows == 1:
-        flat = torch.cat([flat, flat])  # one row would take the slow GEMV path
-    y = (w @ flat.t()).t()[:rows].contiguous()
-    return y.view(*x.shape[:-1], w.shape[0])
-
-
-def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies and attention factor; scaled variants come from transformers."""
-    if cfg.rope_scaling is None:
-        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
-        return (1.0 / cfg.rope_theta ** exps).float(), 1.0
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
-    hf_config = AutoConfig.for_model(cfg.model_type, **{k: v for k, v in cfg.raw.items()
-                                                      if k not in ("model_type", "auto_map")})
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return inv_freq.float(), float(factor)
+def multiplier(weight_t: torch.Tensor, notes: list[str] | None = None, policy: LoadPolicy = DEFAULT):
+    """What `linear` should multiply a matrix without GGUF blocks by: WeightPlan.dense for one matrix (the
+    reason the GEMM kernel is not used goes to `notes`, once)."""
+    plan = WeightPlan(str(weight_t.device), weight_t.dtype, policy, pack=policy.gemm)
+    plan.note_gemm_off()
+    made = plan.dense(weight_t)
+    if notes is not None and not any(n.startswith(KERNEL_NOTE) for n in notes):
+        notes += plan.notes
+    return made
 
 
 class Rope:
@@ -154,6 +96,31 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class TorchOps:
+    """The layer's steps in torch ops (any device and dtype): the strategy a target takes unless its weight
+    plan says `fused` (fused.FusedLayerOps, the same steps in C++)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def norm(self, h, w):
+        return rms_norm(h, w, self.eps)
+
+    def add_norm(self, h, d, w):
+        """(h + d, its norm): the residual add, and the next sublayer's (or the final) norm."""
+        h = h + d
+        return h, rms_norm(h, w, self.eps)
+
+    def attention(self, layer: "DecoderLayer", x, cache: "KVCache", i: int, start: int, cos, sin, mask):
+        """q|k|v, norms and RoPE, the cache write, attention and o_proj on the normed input x."""
+        q, k, v = layer.project_qkv(x, cos, sin)
+        keys, values = cache.write(i, start, k, v)
+        return layer.attention(q, keys, values, mask)
+
+    def mlp(self, layer: "DecoderLayer", x):
+        return layer.mlp(x)
+
+
 class CacheOwner:
     """What the torch target and draft share: a KV cache to crop, a device to wait for."""
 
@@ -175,11 +142,14 @@ class DecoderLayer:
     the weights as [in, out] matrices (for other consumers: the ANE compiler, floors); the mm_* are what
     the forward multiplies by (see `multiplier`)."""
 
-    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], notes: list[str] | None = None,
-                 pack: bool = True):
-        """pack=False: multiply by the [in, out] matrices as they are (training: differentiable, no
-        packed copies of weights that change every step)."""
-        self.cfg, self.pack = cfg, pack
+    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], multiply=None, *, pack: bool = False):
+        """multiply(name, weight_t): what the forward multiplies by ('mm_qkv', 'mm_o', 'mm_gate_up',
+        'mm_down', 'mm_kv'), chosen by the owner's weight plan; None: the [in, out] matrices as they are
+        (training: differentiable, no packed copies of weights that change every step), or with pack=True
+        (the older signature) packed as `multiplier` does."""
+        if multiply is None and pack:
+            multiply = lambda name, weight_t: multiplier(weight_t)  # noqa: E731
+        self.cfg, self.multiply = cfg, multiply or (lambda name, weight_t: weight_t)
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
         self.wqkv = orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
@@ -191,19 +161,16 @@ class DecoderLayer:
         self.w_down = orient(w["down_proj"])
         self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
-        self.notes = notes
-        self.mm_qkv, self.mm_o = self.multiplier(self.wqkv), self.multiplier(self.wo)
-        self.mm_gate_up, self.mm_down = self.multiplier(self.w_gate_up), self.multiplier(self.w_down)
+        self.mm_qkv, self.mm_o = self.multiply("mm_qkv", self.wqkv), self.multiply("mm_o", self.wo)
+        self.mm_gate_up = self.multiply("mm_gate_up", self.w_gate_up)
+        self.mm_down = self.multiply("mm_down", self.w_down)
         self._mm_kv = None
-
-    def multiplier(self, weight_t: torch.Tensor):
-        return multiplier(weight_t, self.notes) if self.pack else weight_t
 
     @property
     def mm_kv(self):
         """k|v only (the draft's context features): packed on first use, the target never needs it."""
         if self._mm_kv is None:
-            self._mm_kv = self.multiplier(self.wkv)
+            self._mm_kv = self.multiply("mm_kv", self.wkv)
         return self._mm_kv
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -245,35 +212,3 @@ class DecoderLayer:
         """SwiGLU on the normed input."""
         gate, up = linear(x, self.mm_gate_up).chunk(2, -1)
         return linear(F.silu(gate) * up, self.mm_down)
-
-
-LAYER_TENSORS = {
-    "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
-    "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
-    "input_layernorm": "input_layernorm.weight", "post_attention_layernorm": "post_attention_layernorm.weight",
-}
-
-
-def layer_shapes(cfg: ArchConfig) -> dict[str, tuple]:
-    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {"q_proj": (nq, h), "k_proj": (nkv, h), "v_proj": (nkv, h), "o_proj": (h, nq),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
-            "input_layernorm": (h,), "post_attention_layernorm": (h,),
-            "q_norm": (hd,), "k_norm": (hd,), "q_bias": (nq,), "k_bias": (nkv,), "v_bias": (nkv,)}
-
-
-def layer_weights(tensors, prefix: str, cfg: ArchConfig, where, device, dtype) -> dict[str, torch.Tensor]:
-    """Gather and shape-check one layer's tensors (prefix like 'model.layers.3.')."""
-    from hetero_sd.models.weights import take
-
-    names = dict(LAYER_TENSORS)
-    if cfg.qk_norm:
-        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
-    if cfg.attention_bias:
-        names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
-                     v_bias="self_attn.v_proj.bias")
-    shapes = layer_shapes(cfg)
-    return {key: take(tensors, prefix + name, shapes[key], where).to(device, dtype)
-            for key, name in names.items()}

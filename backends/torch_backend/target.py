@@ -10,20 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from hetero_sd.models.config import ArchConfig
-from hetero_sd.errors import ConfigError, PromptTooLongError
+from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
 from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
+
 from . import fused
-from .gemm import KernelUnavailable, Packed
-from .quant import Quantized, attach as attach_quantized
-from .quant8 import Int8Blocks
-from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, multiplier, orient, rms_norm
+from .cpu import cpu_flags
+from .layers import CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm
+from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, plan_target
 
 
 class TorchTarget(CacheOwner, TargetBackend):
     def __init__(self, cfg: ArchConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
-                 layer_ids: Sequence[int] = (), max_context: int | None = None, activations: str = "float32"):
+                 layer_ids: Sequence[int] = (), max_context: int | None = None, activations: str = "float32",
+                 policy: LoadPolicy = DEFAULT, flags: frozenset[str] | None = None):
         self.config, self.device, self.dtype = cfg, device, dtype
         self.numerics = activations if activations != "float32" else dtype_name(dtype)  # e.g. "int8"
         self.layer_ids = list(layer_ids)
@@ -33,60 +35,64 @@ class TorchTarget(CacheOwner, TargetBackend):
         head = self.embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
         self.lm_head = orient(head.to(device, dtype))  # [hidden, vocab] as layers.linear takes it
         self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
-        self.notes: list[str] = []  # announced by the runtime (e.g. a kernel that did not build)
-        self.mm_head = multiplier(self.lm_head, self.notes)
-        self.layers = [DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype), self.notes)
-                       for i in range(cfg.num_hidden_layers)]
-        # A target converted from a GGUF multiplies decode/verify rows by the GGUF's own blocks (quant.py)
-        self.head_blocks, self.int8_head = None, None
-        self.weight_format = self.attach_blocks(converted_from(where), activations) or dtype_name(dtype)
+        layer_tensors = [layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype)
+                         for i in range(cfg.num_hidden_layers)]
+        # Every matrix's format decided here, once (plan.py): dense, packed, GGUF blocks, int8 rows
+        plan = plan_target(cfg, converted_from(where), device, dtype, activations, policy,
+                           cpu_flags() if flags is None else flags)
+        try:
+            self.build(plan, layer_tensors)
+        except BlocksRefused as e:  # blocks that do not stand for these weights: none of them, and say so
+            self.build(plan.without_blocks(str(e)), layer_tensors)
+        self.notes: list[str] = self.plan.notes  # announced by the runtime (e.g. a kernel that did not build)
+        self.weight_format, self.fused = self.plan.weights, self.plan.fused
+        # one forward (forward_layers) over either strategy for the layer's steps: torch ops or fused C++ ops
+        self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if self.fused else TorchOps(cfg.rms_norm_eps)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
-        self.fused, why_not = fused.fusable(self)  # a layer in ~12 calls instead of ~50 (fused.py)
-        self.notes += [why_not] if why_not else []
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         self.mode = ", ".join(named) or self.weight_format
+        self.int8_head = None
 
-    def attach_blocks(self, gguf, activations: str) -> str | None:
-        """The GGUF's blocks as the decode/verify multipliers (quant.py); int8 rows (quant8.py) only on request,
-        and then never silently without them."""
-        if activations == "float32":
-            return attach_quantized(self, gguf)
-        if gguf is None or self.device != "cpu" or self.dtype != torch.float32:
-            raise ConfigError(f"--dtype {activations} needs a CPU target converted from a Q4_1/Q8_0 GGUF",
-                              "use the embedded default target (--target default), or --dtype float32")
-        before = len(self.notes)
-        weights = attach_quantized(self, gguf, Int8Blocks)
-        if weights is None:
-            raise ConfigError(f"--dtype {activations}: {'; '.join(self.notes[before:]) or 'no GGUF blocks'}",
-                              "use --dtype float32")
-        return weights
+    def build(self, plan: WeightPlan, layer_tensors: list[dict]) -> None:
+        """The layers and the head with the multipliers the plan gives them."""
+        self.plan = plan
+        self.mm_head = plan.matrix("mm_head", self.lm_head)
+        self.layers = [DecoderLayer(self.config, w, lambda name, weight_t, i=i: plan.matrix((i, name), weight_t))
+                       for i, w in enumerate(layer_tensors)]
+        if plan.blocks:
+            made = [m for m in self.matrices() if getattr(m, "blocks", False)]
+            numel = sum(w.numel() for w in self.dense_matrices())
+            plan.notes.append(plan.blocks_note(made, numel))
 
-    def draft_head(self):
-        """What a draft multiplies its block by: this target's head blocks times int8 rows when it has them
-        (a draft only proposes, so its logits need not have the target's numerics: at 16 rows that kernel
-        is ~2.5x the float32-exact one and reads half the bytes of a bf16 head), else the target's own."""
-        if self.head_blocks is None or isinstance(self.mm_head, Int8Blocks):
-            return self.mm_head
-        if self.int8_head is None:
-            try:
-                self.int8_head = Int8Blocks(*self.head_blocks, self.mm_head.fallback)
-            except KernelUnavailable:  # the target's own head then; nothing the user chose is lost
-                self.int8_head = self.mm_head
-        return self.int8_head
+    def matrices(self) -> list:
+        """What a decode step multiplies by: the head, then each layer's four matrices."""
+        return [self.mm_head] + [getattr(layer, a) for layer in self.layers for a in LAYER_MATRICES]
+
+    def dense_matrices(self) -> list[torch.Tensor]:
+        return [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+    def head_for(self, device: str, dtype: torch.dtype, int8: bool = True) -> tuple[object | None, str | None]:
+        """What a draft on (device, dtype) multiplies by this target's head, and a note: the plan's int8-row
+        head blocks on the CPU (any dtype: rows go in as float32), else this target's own multiplier where
+        the draft's head is this very tensor (no second copy), else None (the draft makes its own)."""
+        if int8 and device == "cpu":
+            if self.int8_head is None:
+                self.int8_head = self.plan.draft_head(self.mm_head, self.lm_head) or False
+            if self.int8_head is not False:
+                head = self.int8_head
+                return head, (f"draft head: the GGUF's {head.kind} head blocks times int8 rows ({head.nbytes / 1e6:.0f} MB "
+                              "read per block instead of a bf16 head's 2 bytes per weight; the target verifies every token)")
+        return (self.mm_head if (device, dtype) == (self.device, self.dtype) else None), None
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
                             self.cache.bytes_per_position(), self.rope, read_bytes=self.quantized_bytes())
 
     def quantized_bytes(self) -> int | None:
-        """Bytes of the matrices a decode step reads when they are GGUF blocks (quant.py), else None."""
-        mats = [self.mm_head] + [getattr(layer, a) for layer in self.layers
-                                 for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down")]
-        if not any(isinstance(m, Quantized) for m in mats):
-            return None
-        return sum(m.nbytes if isinstance(m, (Quantized, Packed)) else m.numel() * m.element_size() for m in mats)
+        """Bytes of the matrices a decode step reads when the plan gave them GGUF blocks (quant.py), else None."""
+        return sum(m.nbytes for m in self.matrices()) if self.plan.blocks else None
 
     def fork(self) -> "TorchTarget":
         twin = copy.copy(self)
@@ -108,25 +114,23 @@ class TorchTarget(CacheOwner, TargetBackend):
         h = F.embedding(torch.tensor([list(token_ids)], device=self.device), self.embed)
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else self.causal_mask(start, count)
-        if self.fused:
-            normed, captured = fused.forward_layers(self, h, start, cos, sin, mask, features)
-            normed = normed[0, -1:] if last_only else normed[0]
-        else:
-            normed, captured = self.forward_layers(h, start, cos, sin, mask, features, last_only)
+        normed, captured = self.forward_layers(h, start, cos, sin, mask, features)
+        normed = normed[0, -1:] if last_only else normed[0]
         self.cache.length = start + count
         return TargetOutput(linear(normed, self.mm_head).float(), self.gather(captured) if features else None)
 
-    def forward_layers(self, h, start, cos, sin, mask, features: bool, last_only: bool) -> tuple:
-        """The decoder layers in torch ops: (the final norm of the last hidden state [T, H], the hidden
-        states captured at the feature layers)."""
-        captured = []
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, self.config.rms_norm_eps), cos, sin)
-            keys, values = self.cache.write(i, start, k, v)
-            h = layer.attend(h, q, keys, values, mask)
+    def forward_layers(self, h, start: int, cos, sin, mask, features: bool) -> tuple:
+        """The decoder layers on embedded tokens h [1, T, H] at positions start.., through the plan's ops:
+        (the final norm of the last hidden state [1, T, H], the hidden states captured at the feature layers)."""
+        ops, layers, captured = self.ops, self.layers, []
+        x = ops.norm(h, layers[0].in_norm)
+        for i, layer in enumerate(layers):
+            h, x = ops.add_norm(h, ops.attention(layer, x, self.cache, i, start, cos, sin, mask), layer.post_norm)
+            # the next layer's input norm, or the final norm after the last layer
+            h, x = ops.add_norm(h, ops.mlp(layer, x), layers[i + 1].in_norm if i + 1 < len(layers) else self.norm)
             if features and i in self.layer_ids:
                 captured.append(h)
-        return rms_norm(h[0, -1:] if last_only else h[0], self.norm, self.config.rms_norm_eps), captured
+        return x, captured
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.layer_ids:

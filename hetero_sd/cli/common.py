@@ -14,6 +14,8 @@ from rich.console import Console
 from hetero_sd.errors import OutputPathError
 from hetero_sd.runtime import load
 
+from .policy import policy_from_env
+
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -47,7 +49,7 @@ def load_runtime(args, schedules: list[str], target_device: str | None = None, d
     concurrent = next((s for s in schedules if s != "sequential"), "sequential")
     return load(args.target, None if args.draft == "none" else args.draft,
                 target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, draft_dtype=args.draft_dtype, block_size=args.block_size,
-                schedule=concurrent, cpu_threads=args.threads,
+                schedule=concurrent, cpu_threads=args.threads, policy=policy_from_env(),
                 system_prompt=getattr(args, "system_prompt", None),
                 chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
 

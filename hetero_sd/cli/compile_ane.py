@@ -12,6 +12,8 @@ from hetero_sd.backends.drift import Drift
 from hetero_sd.errors import ConfigError
 from hetero_sd.runtime import load
 
+from .policy import policy_from_env
+
 
 def drift_report(runtime, prompts: list[str], window: int) -> dict:
     """ane-sim (the same graph, every op rounded to fp16) against the float32 draft, on contexts the
@@ -38,7 +40,7 @@ DRIFT_PROMPTS = ["Write a haiku about the sea.", "Explain how a hash map works."
 
 def compile_ane(target: str, draft: str, out: Path, window: int = 512) -> dict:
     """Convert the draft to `out` (.mlpackage) and return the report (also written next to it as JSON)."""
-    runtime = load(target, draft)
+    runtime = load(target, draft, policy=policy_from_env())
     if runtime.draft is None:
         raise ConfigError("compile-ane needs a draft", "pass --draft FOLDER (a DFlash draft for the target)")
     model = convert(runtime.draft, out, window)

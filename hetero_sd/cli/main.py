@@ -16,6 +16,7 @@ from hetero_sd.decoding.timeline import chrome_trace
 from hetero_sd.loading.templates import chat_options, parse_kwargs
 
 from .checks import bench_args, train_args, train_vocab, window
+from .policy import policy_from_env
 from .common import STATE, Terminated, block_arg, err, interrupted_status, load_runtime, on_sigterm, write_json
 
 FLAGS = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p", "top_k": "--top-k", "temperature": "--temperature",
@@ -226,7 +227,7 @@ def cmd_bench(args) -> int:
 def cmd_chat(args) -> int:
     from hetero_sd.tui import ChatApp
 
-    kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft,
+    kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft, policy=policy_from_env(),
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
                   block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads,
                   system_prompt=args.system_prompt, chat_template_kwargs=args.chat_template_kwargs)

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
+from hetero_sd.devices import capability
 from hetero_sd.backends.base import DraftBackend, ModelWeights, TargetBackend, weights_of
-from hetero_sd.backends.torch_backend.cpu import capability
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hetero_sd.backends.base import TargetBackend
 from hetero_sd.backends.placement import INT8, resolve_dtype, target_backend
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.errors import ConfigError
 from hetero_sd.models.config import ArchConfig, read_json
 from hetero_sd.models.hf_config import fast_path, hf_arch
@@ -26,9 +27,9 @@ def target_config(folder: Path) -> tuple[ArchConfig, str]:
 
 
 def load_target(folder: Path, cfg: ArchConfig, path: str, device: str, dtype, layer_ids, max_context,
-                notes: list[str]) -> TargetBackend:
+                notes: list[str], policy: LoadPolicy = DEFAULT) -> TargetBackend:
     if path == FAST:
-        return target_backend(folder, cfg, device, dtype, layer_ids, max_context, notes)
+        return target_backend(folder, cfg, device, dtype, layer_ids, max_context, notes, policy)
     if device == "mlx":
         from hetero_sd.backends import hf_backend
 

@@ -13,6 +13,7 @@ import torch
 
 from hetero_sd import validate
 from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.backends.placement import draft_backend, draft_dtype_for, dtype_name, stored_dtype
 from hetero_sd.devices import check_device, cpu_bound
 from hetero_sd.errors import ConfigError, ModelNotFoundError
@@ -48,7 +49,7 @@ class Loaded:
 def load_models(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
                 draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
                 block_size: int | str | None = None, max_context: int | None = None,
-                cpu_threads: int | None = None) -> Loaded:
+                cpu_threads: int | None = None, policy: LoadPolicy = DEFAULT) -> Loaded:
     """Resolve, check and load; arguments as for `hetero_sd.load` (the schedule is checked there)."""
     target_device = check_device(target_device, "target")
     draft_device = check_device(draft_device or target_device, "draft")
@@ -61,7 +62,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
             "gguf": source_gguf(target), "notes": notes, "target_path": path}
     draft = default_draft(draft, target, info["notes"])
     if draft is None:
-        t = load_target(folder, tcfg, path, target_device, dtype, (), max_context, info["notes"])
+        t = load_target(folder, tcfg, path, target_device, dtype, (), max_context, info["notes"], policy)
         info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
         info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
         return Loaded(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, target_folder=folder)
@@ -75,12 +76,12 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     block = "auto" if validate.block_size(block_size, dcfg.block_size) in (None, "auto") else "fixed"
     if isinstance(block_size, int):
         dcfg.block_size = int(block_size)
-    t = load_target(folder, tcfg, path, target_device, dtype, layer_ids, max_context, info["notes"])
+    t = load_target(folder, tcfg, path, target_device, dtype, layer_ids, max_context, info["notes"], policy)
     info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
     info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
     stored = torch.bfloat16 if dfolder is None else stored_dtype(tensors)  # a random draft holds bf16 values
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored),
-                      mask, tensors, info["notes"])
+                      mask, tensors, info["notes"], policy)
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
     info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
                 draft_device=draft_device, block_size=dcfg.block_size,

@@ -1,0 +1,28 @@
+"""What the caller allows the backends to do with a model's weights: a policy object passed to `load()`.
+
+Only the CLI reads the HETERO_SD_* environment variables (hetero_sd/cli/policy.py builds this from them);
+the backends never do. The torch backend turns a policy, the device, the dtype, the CPU's flags and the
+model's GGUF into one weight plan at load (torch_backend/plan.py), which its stats and notes name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    quant: bool = True  # a target converted from a GGUF multiplies decode/verify rows by its Q4_1/Q8_0 blocks
+    fused: bool = True  # the fused C++ layer ops on a float32 CPU target
+    gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (else torch's matmul)
+    draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
+    quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
+    attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
+    amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)
+    origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")
+
+    def why(self) -> str:
+        """How a switched-off choice is named in a note."""
+        return f"off in the load policy{f' ({self.origin})' if self.origin else ''}"
+
+
+DEFAULT = LoadPolicy()

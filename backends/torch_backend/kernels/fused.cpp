@@ -1,0 +1,420 @@
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+static double sum_squares_in_order(const float* x, int64_t H) {
+  double s = 0.0;
+  for (int64_t i = 0; i < H; ++i) s += (double)x[i] * (double)x[i];
+  return s;
+}
+
+#if defined(__x86_64__)
+// sum of x^2 in double: 8 lanes (two chains of 4) over i in steps of 8, then a fixed tree, then the tail
+// in order. x^2 is exact in double, so each fma rounds once, as s + x*x would.
+__attribute__((target("avx2,fma"))) static double sum_squares(const float* x, int64_t H) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    a0 = _mm256_fmadd_pd(lo, lo, a0);
+    a1 = _mm256_fmadd_pd(hi, hi, a1);
+  }
+  const __m256d a = _mm256_add_pd(a0, a1);
+  const __m128d b = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+  double s = _mm_cvtsd_f64(_mm_add_sd(b, _mm_unpackhi_pd(b, b)));
+  for (; i < H; ++i) s += (double)x[i] * (double)x[i];
+  return s;
+}
+static bool has_avx2() { static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); return yes; }
+#else
+static double sum_squares(const float* x, int64_t H) { return sum_squares_in_order(x, H); }
+static bool has_avx2() { return false; }
+#endif
+
+// y = w * (x * 1/sqrt(mean(x^2) + eps)) for one row of H floats (sum in double: order fixed, accurate).
+// Machines without AVX2 sum in order: another order, but every row of a machine sums the same way.
+static inline void norm_row(const float* x, const float* w, double eps, int64_t H, float* y) {
+  const double s = has_avx2() ? sum_squares(x, H) : sum_squares_in_order(x, H);
+  const float r = (float)(1.0 / std::sqrt(s / (double)H + eps));
+  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t H = xc.size(-1), T = xc.numel() / H;
+  const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) { for (int64_t t = b; t < e; ++t) norm_row(xp + t * H, wp, eps, H, yp + t * H); });
+  return y;
+}
+
+// (h + d, rms_norm(h + d)): the residual add and the next norm in one pass
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor h, at::Tensor d, at::Tensor w, double eps) {
+  auto hc = h.contiguous(), dc = d.contiguous();
+  auto s = at::empty_like(hc), y = at::empty_like(hc);
+  const int64_t H = hc.size(-1), T = hc.numel() / H;
+  const float *hp = hc.data_ptr<float>(), *dp = dc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t i = t * H; i < (t + 1) * H; ++i) sp[i] = hp[i] + dp[i];
+      norm_row(sp + t * H, wp, eps, H, yp + t * H);
+    }
+  });
+  return std::make_tuple(s, y);
+}
+
+// one head row: out = x*cos + rotate_half(x)*sin (rotate_half(x) = [-x2, x1])
+static inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i] * c[i], b = -x[i + half] * s[i];
+    out[i] = a + b;
+  }
+  for (int64_t i = half; i < D; ++i) {
+    const float a = x[i] * c[i], b = x[i - half] * s[i];
+    out[i] = a + b;
+  }
+}
+
+// qkv [1, T, (nh + 2 nkv) * D] -> q [1, nh, T, D] with RoPE; k (with RoPE) and v written to the caches
+// [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
+// caller: an op's outputs do not alias its inputs).
+at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, int64_t start,
+                    int64_t nh, int64_t nkv) {
+  auto x = qkv.contiguous();
+  auto cs = cos.contiguous(), sn = sin.contiguous();
+  const int64_t T = x.size(1), D = cs.size(-1), W = (nh + 2 * nkv) * D, cap = kc.size(2);
+  auto q = at::empty({1, nh, T, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = xp + t * W;
+    const float *c = cp + t * D, *s = sp + t * D;
+    for (int64_t h = 0; h < nh; ++h) rope_row(row + h * D, c, s, D, qp + (h * T + t) * D);
+    for (int64_t h = 0; h < nkv; ++h) {
+      rope_row(row + (nh + h) * D, c, s, D, kp + (h * cap + start + t) * D);
+      std::memcpy(vp + (h * cap + start + t) * D, row + (nh + nkv + h) * D, D * sizeof(float));
+    }
+  }
+  return q;
+}
+
+#if defined(__x86_64__)
+// ---- causal attention, each query row summed as if alone (decode and verify agree bit for bit) ----
+// torch's SDPA sums in a different order for one query row than for a block of rows, and int8 rows
+// (quant8.py) turn that 1e-6 into different codes. Here each (row, head) takes the same operations in the
+// same order whatever the number of rows: scores q.k_j in 8- or 16-lane sums reduced in a fixed tree, exp
+// by one polynomial, sum and weighted values accumulated over j in order. Rows only share memory traffic:
+// a chunk of keys serves all rows of a work item while it is in L1 (attend_rows). AVX2, and a 16-lane
+// AVX-512 variant (~1.2x on a verify block; a machine uses one of them for every row).
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+// e^x for -87 <= x <= 88 (Cephes expf: ~1 ulp; below -87 it gives e^-87), 8 lanes
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// 8 keys' partial sums (one vector each) to their 8 scores by one transposing tree: every key is summed
+// ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) wherever it sits in its group of 8
+__attribute__((target("avx2,fma"))) static inline __m256 reduce8(const __m256* a) {
+  __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h4, 0x20), _mm256_permute2f128_ps(h0, h4, 0x31));
+}
+
+// Each row's attention runs in three stages over its n keys: scores (and their max), softmax weights,
+// weighted values. The scores and values stages take the keys in chunks, so that a chunk of K (or V)
+// read once from L2 serves every row of a work item from L1 (a verify block's rows and the heads that
+// share a K/V head); per row, every sum is taken in the same order as for that row alone.
+
+// 8-lane stages. scores: s[j] = q.k_j * scale for j in [j0, j1) (j0 a multiple of 8; a group past the
+// last key repeats it: the max is unchanged), 8 independent sums reduced by reduce8; mx: 8 running maxima
+template <int D>
+__attribute__((target("avx2,fma"))) static void scores8(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t n,
+                                                         float scale, float* s, float* mx) {
+  __m256 qv[D / 8];
+  for (int d = 0; d < D; d += 8) qv[d / 8] = _mm256_loadu_ps(q + d);
+  __m256 m = _mm256_loadu_ps(mx);
+  for (int64_t j = j0; j < j1; j += 8) {
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) {
+      const float* k = kc + std::min(j + u, n - 1) * D;
+      a[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+      for (int d = 8; d < D; d += 8) a[u] = _mm256_fmadd_ps(qv[d / 8], _mm256_loadu_ps(k + d), a[u]);
+    }
+    const __m256 sc = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(s + j, sc);
+    m = _mm256_max_ps(m, sc);
+  }
+  _mm256_storeu_ps(mx, m);
+}
+
+// s[j] <- e^(s[j] - max), in place, padded to the group of 8 with zeros; 1 / their sum
+__attribute__((target("avx2,fma"))) static float weights8(float* s, int64_t n, const float* mx) {
+  float top = mx[0];
+  for (int i = 1; i < 8; ++i) top = std::max(top, mx[i]);
+  for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) s[j] = -INFINITY;  // e^-inf = 0
+  __m256 sum = _mm256_setzero_ps(), m = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.0f / hsum8(sum);
+}
+
+// acc += sum_{j in [j0, j1)} s[j] v_j, over j in order (one chain per output lane)
+template <int D>
+__attribute__((target("avx2,fma"))) static void values8(const float* s, const float* vc, int64_t j0, int64_t j1, float* acc) {
+  __m256 a[D / 8];
+  for (int d = 0; d < D; d += 8) a[d / 8] = _mm256_loadu_ps(acc + d);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 w = _mm256_set1_ps(s[j]);
+    for (int d = 0; d < D; d += 8) a[d / 8] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + j * D + d), a[d / 8]);
+  }
+  for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, a[d / 8]);
+}
+
+template <int D>
+__attribute__((target("avx2,fma"))) static void finish8(const float* acc, float inv, float* o) {
+  for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(inv)));
+}
+
+// ---- the 16-lane AVX-512 stages: 16 keys per score vector, two value chains (even and odd keys) ----
+// Another summation order than the 8-lane one, so a machine uses one of them for every row (chosen once
+// per process from the CPU's flags): decode and verify still agree bit for bit.
+__attribute__((target("avx512f"))) static inline __m512 exp16(__m512 x) {  // as exp8
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// 16 keys' partial-sum vectors -> the vector of their 16 totals, by one fixed transposing tree
+__attribute__((target("avx512f"))) static inline __m512 reduce16(const __m512* a) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // keys 2i, 2i+1: 8 lanes each
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // keys 4i..4i+3: one 128-bit lane (4 partials) each
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane l: keys l and 4+l (w[0]), 8+l and 12+l (w[1]), 2 partials each
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  // lane 4l + c holds key 4c + l: back to key order
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+template <int D>
+__attribute__((target("avx512f"))) static void scores16(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t n,
+                                                          float scale, float* s, float* mx) {
+  __m512 qv[D / 16];
+  for (int d = 0; d < D; d += 16) qv[d / 16] = _mm512_loadu_ps(q + d);
+  __m512 m = _mm512_loadu_ps(mx);
+  for (int64_t j = j0; j < j1; j += 16) {
+    __m512 a[16];
+    for (int u = 0; u < 16; ++u) {
+      const float* k = kc + std::min(j + u, n - 1) * D;
+      a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int d = 16; d < D; d += 16) a[u] = _mm512_fmadd_ps(qv[d / 16], _mm512_loadu_ps(k + d), a[u]);
+    }
+    const __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(s + j, sc);
+    m = _mm512_max_ps(m, sc);
+  }
+  _mm512_storeu_ps(mx, m);
+}
+
+__attribute__((target("avx512f"))) static float weights16(float* s, int64_t n, const float* mx) {
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(mx)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 real = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// acc [even keys' D | odd keys' D] += s[j] v_j for j in [j0, j1); j0 even (chunks hold an even number of keys)
+template <int D>
+__attribute__((target("avx512f"))) static void values16(const float* s, const float* vc, int64_t j0, int64_t j1, float* acc) {
+  __m512 ev[D / 16], od[D / 16];
+  for (int d = 0; d < D; d += 16) { ev[d / 16] = _mm512_loadu_ps(acc + d); od[d / 16] = _mm512_loadu_ps(acc + D + d); }
+  int64_t j = j0;
+  for (; j + 1 < j1; j += 2) {
+    const __m512 w0 = _mm512_set1_ps(s[j]), w1 = _mm512_set1_ps(s[j + 1]);
+    for (int d = 0; d < D; d += 16) {
+      ev[d / 16] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vc + j * D + d), ev[d / 16]);
+      od[d / 16] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(vc + (j + 1) * D + d), od[d / 16]);
+    }
+  }
+  if (j < j1) {
+    const __m512 w0 = _mm512_set1_ps(s[j]);
+    for (int d = 0; d < D; d += 16) ev[d / 16] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vc + j * D + d), ev[d / 16]);
+  }
+  for (int d = 0; d < D; d += 16) { _mm512_storeu_ps(acc + d, ev[d / 16]); _mm512_storeu_ps(acc + D + d, od[d / 16]); }
+}
+
+template <int D>
+__attribute__((target("avx512f"))) static void finish16(const float* acc, float inv, float* o) {
+  for (int d = 0; d < D; d += 16)
+    _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_loadu_ps(acc + D + d)), _mm512_set1_ps(inv)));
+}
+
+// R rows (query vectors of one K/V head): q[r], their key counts n[r] -> o[r]. Per-row scratch: s (stride
+// ss floats), 16 maxima, 2D accumulators.
+template <int D, bool W>
+static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const float* kc,
+                        const float* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
+  constexpr int64_t CH = D == 64 ? 64 : 32;  // keys per chunk: 16 KB of K (or V), kept in L1 across the rows
+  int64_t most = 0;
+  for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
+  std::fill(mx, mx + 16 * R, -INFINITY);
+  std::fill(acc, acc + 2 * D * R, 0.0f);
+  for (int64_t c = 0; c < most; c += CH)
+    for (int r = 0; r < R; ++r)
+      if (c < n[r]) (W ? scores16<D> : scores8<D>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
+  std::vector<float> inv(R);
+  for (int r = 0; r < R; ++r) inv[r] = (W ? weights16 : weights8)(s + r * ss, n[r], mx + 16 * r);
+  for (int64_t c = 0; c < most; c += CH)
+    for (int r = 0; r < R; ++r)
+      if (c < n[r]) (W ? values16<D> : values8<D>)(s + r * ss, vc, c, std::min(c + CH, n[r]), acc + 2 * D * r);
+  for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
+}
+
+// q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128.
+// wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). Work items: a decode step's heads one
+// by one (9 items for 2 threads), a block's rows 4 at a time with every head of one K/V head.
+at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
+  const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
+  auto o = at::empty({1, T, nh * D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)D);
+  const int64_t group = nh / nkv, rows = T == 1 ? 1 : 4, heads = T == 1 ? 1 : group;
+  const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
+  auto run = D == 64 ? (wide ? attend_rows<64, true> : attend_rows<64, false>)
+                     : (wide ? attend_rows<128, true> : attend_rows<128, false>);
+  at::parallel_for(0, nkv * per_g, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = rows * heads;
+    std::vector<float> s(most * ss), mx(16 * most), acc(2 * D * most);
+    std::vector<const float*> qs(most);
+    std::vector<float*> os(most);
+    std::vector<int64_t> ns(most);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / per_g, h0 = g * group + (i % per_g) % (group / heads) * heads;
+      const int64_t t0 = (i % per_g) / (group / heads) * rows;
+      int R = 0;
+      for (int64_t t = t0; t < std::min(t0 + rows, T); ++t)
+        for (int64_t h = h0; h < h0 + heads; ++h, ++R) {
+          qs[R] = qp + (h * T + t) * D; os[R] = op + t * nh * D + h * D; ns[R] = start + t + 1;
+        }
+      run(qs.data(), os.data(), ns.data(), R, kp + g * cap * D, vp + g * cap * D, scale, s.data(), ss, mx.data(), acc.data());
+    }
+  });
+  return o;
+}
+#define HAS_ATTEND true
+
+// silu(g) * u = g / (1 + e^-g) * u, 8 lanes (e^x by exp8's polynomial, clamped to [-87, 88])
+__attribute__((target("avx2,fma"))) static inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+// one row; the tail goes through the same vector code, so every element gets the same function
+__attribute__((target("avx2,fma"))) static void silu_mul_row(const float* g, const float* u, int64_t I, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) _mm256_storeu_ps(y + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+  if (i < I) {
+    float gb[8] = {0}, ub[8] = {0}, yb[8];
+    std::memcpy(gb, g + i, (I - i) * sizeof(float));
+    std::memcpy(ub, u + i, (I - i) * sizeof(float));
+    _mm256_storeu_ps(yb, silu_mul8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub)));
+    std::memcpy(y + i, yb, (I - i) * sizeof(float));
+  }
+}
+#define HAS_VECTOR_SILU true
+#else
+at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
+#define HAS_ATTEND false
+#define HAS_VECTOR_SILU false
+static void silu_mul_row(const float*, const float*, int64_t, float*) {}
+#endif
+
+static void silu_mul_scalar(const float* g, const float* u, int64_t I, float* y) {
+  for (int64_t i = 0; i < I; ++i) y[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+}
+
+// [.., 2I] (gate | up) -> [.., I]: silu(gate) * up; rows in parallel (each element alone: same bits)
+at::Tensor silu_mul(at::Tensor gu) {
+  auto x = gu.contiguous();
+  const int64_t I2 = x.size(-1), I = I2 / 2, T = x.numel() / I2;
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto y = at::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool vec = HAS_VECTOR_SILU && has_avx2();
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      (vec ? silu_mul_row : silu_mul_scalar)(xp + t * I2, xp + t * I2 + I, I, yp + t * I);
+  });
+  return y;
+}
+
+static bool has_attend() { return HAS_ATTEND; }
+
+TORCH_LIBRARY(hetero_sd_fused, m) {  // torch.ops.hetero_sd_fused.*: the dispatcher releases the GIL around a call
+  m.def("attend(Tensor q, Tensor kc, Tensor vc, int start, bool wide) -> Tensor");
+  m.def("has_attend() -> bool", &has_attend);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int nh, int nkv) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(hetero_sd_fused, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_qkv", &rope_qkv);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,39 @@
+"""The load policy from the environment: the one place that reads the HETERO_SD_* switches of the weights
+and kernels (the backends take a LoadPolicy and read no variables)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.errors import ConfigError
+
+OFF = ("off", "0", "no", "false")
+ISAS = ("avx2", "avx512")
+
+
+def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
+    """HETERO_SD_QUANT=off (float32 weights, not the GGUF's blocks), HETERO_SD_FUSED=off (torch ops for
+    the layer), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
+    multiplies the target's own head), HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
+    on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N."""
+    env = os.environ if environ is None else environ
+    given = {k: v for k, v in env.items() if k.startswith("HETERO_SD_") and k in NAMES}
+    for name in ("HETERO_SD_QUANT_ISA", "HETERO_SD_ATTEND_ISA"):
+        if name in given and given[name] not in ISAS:
+            raise ConfigError(f"{name}={given[name]!r} is not an instruction set here", f"use one of {', '.join(ISAS)}")
+    amx = given.get("HETERO_SD_AMX_ROWS")
+    if amx is not None and not amx.isdigit():
+        raise ConfigError(f"HETERO_SD_AMX_ROWS={amx!r} is not a row count", "use a whole number >= 0 (0: never AMX)")
+    return LoadPolicy(quant=given.get("HETERO_SD_QUANT", "on").lower() not in OFF,
+                      fused=given.get("HETERO_SD_FUSED", "on").lower() not in OFF,
+                      gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
+                      draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
+                      quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),
+                      amx_rows=None if amx is None else int(amx),
+                      origin=", ".join(f"{k}={v}" for k, v in sorted(given.items())))
+
+
+NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_QUANT_ISA",
+         "HETERO_SD_ATTEND_ISA", "HETERO_SD_AMX_ROWS")
