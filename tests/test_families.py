@@ -205,3 +205,17 @@ def test_a_multimodal_qwen3_5_checkpoint_runs_its_language_model(tmp_path):
     reference = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
     assert rt.generate(PROMPT, max_new_tokens=12, speculative=False).token_ids == reference
     assert rt.generate(PROMPT, max_new_tokens=12).token_ids == reference
+
+
+def test_hooked_features_equal_output_hidden_states(family):
+    """The hooks record exactly the output_hidden_states entries the draft reads (i + 1 for layer i; the
+    last after the final norm), in every family."""
+    name, rt, _ = family
+    target = rt.target.fork()
+    assert target.capture.ok
+    out = target.forward(PROMPT)
+    with torch.no_grad():
+        states = target.model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i + 1][0] for i in target.layer_ids], dim=-1)
+    assert target.layer_ids[-1] == target.config.num_hidden_layers - 1  # the final-norm case is covered
+    assert torch.equal(out.features, expected)

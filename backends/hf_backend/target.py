@@ -1,8 +1,11 @@
 """A target run by transformers' own model class (AutoModelForCausalLM) on a torch device: any family
 the library has, hybrid (Gated DeltaNet + attention), MoE and sliding-window included.
 
-Context features: `output_hidden_states`, whose entry i+1 is layer i's output and whose last entry is
-after the final norm: the arrangement of base.feature_parts, and what z-lab's drafts were trained on.
+Context features: forward hooks on the draft's decoder layers (and on the final norm for the last
+layer) record exactly the entries of `output_hidden_states` the draft reads (i+1: layer i's output;
+the last after the final norm: base.feature_parts' arrangement, what z-lab's drafts were trained on)
+without keeping every layer's states; a model without `layers`/`norm` on its decoder falls back to
+`output_hidden_states`.
 
 The cache keeps exactly the accepted prefix. transformers' `activate_past_recording` makes attention,
 sliding-window and convolution caches keep a forward's new positions until the next `crop`, which may
@@ -15,6 +18,7 @@ approach). A crop further back than the last forward re-runs the prefix from pos
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Sequence
 
 import torch
@@ -25,12 +29,38 @@ from hetero_sd.models.config import ArchConfig
 from ..base import TargetBackend, TargetOutput
 
 
+class Capture:
+    """Hooks on one model's decoder that record the chosen layers' outputs while `active`. Shared by a
+    target and its forks, whose forwards may run at once in different threads: hooks run in the thread
+    that called the model, so the state is per thread."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        self.ok = decoder is not None and hasattr(decoder, "layers") and hasattr(decoder, "norm")
+        self.state, self.last = threading.local(), None
+        if not self.ok:
+            return
+        self.last = len(decoder.layers) - 1
+        for i in sorted(set(layer_ids)):
+            if i == self.last:  # the last layer's features are after the final norm
+                decoder.norm.register_forward_hook(self.hook(i))
+            else:
+                decoder.layers[i].register_forward_hook(self.hook(i))
+
+    def hook(self, index: int):
+        def record(module, args, output):
+            if getattr(self.state, "outputs", None) is not None:
+                self.state.outputs[index] = output[0] if isinstance(output, tuple) else output
+        return record
+
+
 class HFTarget(TargetBackend):
     path = "transformers"  # which path the runtime took for this target (stats notes, `devices`)
 
     def __init__(self, model, cfg: ArchConfig, device: str, dtype: torch.dtype, layer_ids: Sequence[int],
-                 max_context: int, notes: list[str] | None = None):
+                 max_context: int, notes: list[str] | None = None, capture: Capture | None = None):
         self.model, self.config, self.device, self.dtype = model, cfg, device, dtype
+        self.capture = capture or Capture(model, layer_ids)
         self.layer_ids, self.max_context = list(layer_ids), max_context
         self.notes = notes if notes is not None else []
         self.embed = model.get_input_embeddings().weight.detach()  # [vocab, hidden]: the draft shares them
@@ -77,8 +107,14 @@ class HFTarget(TargetBackend):
         self.settle()
         self.block_start, self.snapshot = len(self.ids), self.take_snapshot()
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, use_cache=True, output_hidden_states=hidden,
-                         logits_to_keep=1 if last_only else 0, **{self.cache_arg: self.cache})
+        hooks = hidden and self.capture.ok
+        self.capture.state.outputs = {} if hooks else None
+        try:
+            out = self.model(input_ids=x, use_cache=True, output_hidden_states=hidden and not hooks,
+                             logits_to_keep=1 if last_only else 0, **{self.cache_arg: self.cache})
+            out.captured = self.capture.state.outputs
+        finally:
+            self.capture.state.outputs = None
         self.ids.extend(int(i) for i in ids)
         self.settled = False
         if not self.has_recurrent:
@@ -95,8 +131,12 @@ class HFTarget(TargetBackend):
         logits = out.logits[0].float()
         feats = None
         if capture:
-            states = out.hidden_states  # [embeddings, layer 0, ..., last layer after the final norm]
-            feats = torch.cat([states[i + 1][0] for i in self.layer_ids], dim=-1)  # every position, as the draft needs
+            if self.capture.ok:
+                got = out.captured
+                feats = torch.cat([got[i][0] for i in self.layer_ids], dim=-1)  # every position, as the draft needs
+            else:
+                states = out.hidden_states  # [embeddings, layer 0, ..., last layer after the final norm]
+                feats = torch.cat([states[i + 1][0] for i in self.layer_ids], dim=-1)
         return TargetOutput(logits=logits, features=feats)
 
     def settle(self) -> None:
@@ -145,4 +185,5 @@ class HFTarget(TargetBackend):
             torch.mps.synchronize()
 
     def fork(self) -> "HFTarget":
-        return HFTarget(self.model, self.config, self.device, self.dtype, self.layer_ids, self.max_context, [])
+        return HFTarget(self.model, self.config, self.device, self.dtype, self.layer_ids, self.max_context, [],
+                        self.capture)
