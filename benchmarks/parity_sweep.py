@@ -26,7 +26,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--json")
     args = ap.parse_args()
+    import functools
+
+    import tests.test_parity as parity
+    from hetero_sd.cli.policy import policy_from_env
     from hetero_sd.loading.default_model import default_target_folder
+    # the HETERO_SD_* switches reach the target as the CLI passes them: a load policy
+    parity.load_target = functools.partial(parity.load_target, policy=policy_from_env())
     folder = default_target_folder()
     rows = []
     for seed in range(args.seeds):

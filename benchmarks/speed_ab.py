@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
 
-from hetero_sd.backends.torch_backend import gemm
+from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.bench.runner import machine
 from hetero_sd.decoding.costs import Costs, measure_costs
 from hetero_sd.runtime import load
 
 
 def runtime(kernel: bool, draft_dtype: str | None, target_dtype: str | None):
-    os.environ["HETERO_SD_GEMM"] = "kernel" if kernel else "torch"
-    gemm.extension.cache_clear()
-    return load("default", "cpu-trained", dtype=target_dtype, draft_dtype=draft_dtype)
+    return load("default", "cpu-trained", dtype=target_dtype, draft_dtype=draft_dtype, policy=LoadPolicy(gemm=kernel))
 
 
 def median_costs(runs: list[Costs]) -> Costs:

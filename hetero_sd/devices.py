@@ -27,9 +27,9 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def capability() -> str:
-    """torch's CPU dispatch level and the notable flags, e.g. 'AVX512; amx_bf16, avx512_bf16, ...'."""
-    extras = sorted(cpu_flags() & NOTABLE_FLAGS)
+def capability(flags: frozenset[str] | None = None) -> str:
+    """torch's CPU dispatch level and the notable flags (default: this CPU's), e.g. 'AVX512; amx_bf16, ...'."""
+    extras = sorted((cpu_flags() if flags is None else flags) & NOTABLE_FLAGS)
     return torch.backends.cpu.get_cpu_capability() + (f"; {', '.join(extras)}" if extras else "")
 
 

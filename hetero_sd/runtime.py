@@ -17,7 +17,7 @@ import torch
 from hetero_sd import validate
 from hetero_sd.backends.base import DraftBackend, TargetBackend
 from hetero_sd.backends.drift import Drift
-from hetero_sd.backends.selection import logits_of
+from hetero_sd.backends.base import logits_of
 from hetero_sd.backends.shadow import ShadowedDraft
 from hetero_sd.decoding import loop as decoding
 from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory

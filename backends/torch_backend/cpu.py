@@ -4,7 +4,8 @@ never on a machine's name: sessions run on AVX2-only EPYCs, AVX-512 EPYCs and Sa
 
 from __future__ import annotations
 
-from hetero_sd.devices import NOTABLE_FLAGS, capability, cpu_flags  # noqa: F401  (re-exported)
+from hetero_sd.devices import capability as capability_of
+from hetero_sd.devices import NOTABLE_FLAGS, cpu_flags  # noqa: F401  (re-exported)
 
 
 def pick_isa(wide: set[str], narrow: set[str], prefer: str | None = None,
@@ -20,3 +21,8 @@ def pick_isa(wide: set[str], narrow: set[str], prefer: str | None = None,
 def native_bf16() -> bool:
     """bf16 matmuls run on bf16 hardware (AMX tiles or AVX512-BF16 dot products), not by conversion."""
     return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def capability() -> str:
+    """torch's CPU dispatch level and this CPU's notable flags (hetero_sd/devices.py)."""
+    return capability_of(cpu_flags())

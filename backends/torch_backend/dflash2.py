@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.errors import ConfigError
-from hetero_sd.backends.selection import SelectorBlock
+from hetero_sd.backends.base import SelectorBlock
 from hetero_sd.models.weights import take
 
 from .layers import DecoderLayer, linear, rms_norm

@@ -37,7 +37,7 @@ def code_id(*backends) -> str:
     """A hash of the source files of the packages the backends come from."""
     digest = hashlib.sha1()
     for folder in sorted({Path(inspect.getfile(type(b))).parent for b in backends}):
-        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")):
+        for path in sorted(folder.glob("*.py")) + sorted(folder.rglob("*.cpp")):  # kernels/*.cpp too
             digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -30,7 +30,7 @@ from hetero_sd.backends.base import DraftBackend, TargetBackend
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
 from .sampling import Sampler, draft_tokens, verify
-from hetero_sd.backends.selection import logits_of
+from hetero_sd.backends.base import logits_of
 from .stats import Stats
 
 SCHEDULES = ("sequential", "overlap")

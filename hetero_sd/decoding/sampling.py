@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from hetero_sd.backends.selection import SelectorBlock
+from hetero_sd.backends.base import SelectorBlock
 
 from .penalties import History, min_p_filter, penalize
 
