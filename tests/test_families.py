@@ -154,7 +154,7 @@ def test_chi_square_on_the_hybrid(tmp_path):
     """T = 1 with the rejection rule: emitted tokens follow the hybrid target's own distribution."""
     from .test_sampling import chi_square_p
 
-    vocab, prompt, steps, n = 8, [2, 5, 6, 4], 2, 800
+    vocab, prompt, steps, n = 8, [2, 5, 6, 4], 2, 600
     target, draft = make_pair(tmp_path, "qwen3_5_text", vocab=vocab, seed=3, block=3, initializer_range=0.35)
     rt = hetero_sd.load(str(target), str(draft), block_size="fixed")
     samples, accepted, drafted = [], 0, 0

@@ -20,6 +20,7 @@ from hetero_sd.loading import gguf_memory
 from hetero_sd.loading.default_model import converted_path
 
 QK = 256
+pytestmark = pytest.mark.slow  # reads the embedded SmolLM2 GGUF
 
 
 def q6_k_blocks(x: np.ndarray) -> np.ndarray:
@@ -92,7 +93,16 @@ def kquant(tmp_path_factory) -> Path:
 
 
 def test_the_file_holds_k_quants(kquant):
+    from collections import Counter
+
+    from gguf import GGUFReader
+
     summary = gguf_memory.summarize(kquant)
+    elements, stored = Counter(), Counter()  # the header walk agrees with gguf-py's reader
+    for t in GGUFReader(str(kquant)).tensors:
+        elements[t.tensor_type.name] += int(t.n_elements)
+        stored[t.tensor_type.name] += int(t.n_bytes)
+    assert summary.elements == dict(elements) and summary.stored == dict(stored) and summary.arch == "llama"
     assert summary.types["Q6_K"] == 2 and summary.types["Q4_1"] > 0
     need, dequantized = gguf_memory.plan(summary, "cpu", "float32")
     assert dequantized == ["Q6_K"]  # Q4_1 / Q8_0 stay blocks on the fast CPU path
