@@ -273,6 +273,14 @@ def cmd_devices(args) -> None:
     for d in devices():
         t.add_row(d.name, d.backend, "yes" if d.available else "no", d.detail)
     Console().print(t)
+    from hetero_sd.loading.families import paths
+
+    p = Table(title="target paths (a loaded target names its path in info['target_path'] and its notes)")
+    for col in ("path", "families", "devices", "library"):
+        p.add_column(col)
+    for row in paths():
+        p.add_row(*row)
+    Console().print(p)
 
 
 def cmd_fetch(args) -> None:

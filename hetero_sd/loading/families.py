@@ -43,3 +43,19 @@ def load_target(folder: Path, cfg: ArchConfig, path: str, device: str, dtype, la
     from hetero_sd.backends import hf_backend
 
     return hf_backend.load_target(folder, cfg, device, resolve_dtype(dtype, device), layer_ids, max_context, notes)
+
+
+def paths() -> list[tuple[str, str, str, str]]:
+    """(path, families, devices, version) for `hetero-sd devices`."""
+    from importlib import metadata
+
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return [(FAST, "llama, qwen2, qwen3 (full attention)", "cpu, cuda, mps, mlx", "this package"),
+            (TRANSFORMERS, "any causal LM transformers loads (hybrid, MoE, sliding window, ...)", "cpu, cuda, mps",
+             f"transformers {version('transformers')}"),
+            ("mlx-lm", "any family mlx-lm has, its 4/8-bit models", "mlx", f"mlx-lm {version('mlx-lm')}")]
