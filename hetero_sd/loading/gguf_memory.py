@@ -6,6 +6,7 @@ would need, when it does not fit the device -- before the conversion, not after 
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,6 @@ def summarize(path: Path) -> GGUFSummary:
     (gguf.GGUFReader decodes every tokenizer string: ~10 s for a 49k vocabulary on this CPU); the
     sizes per type are gguf-py's (GGML_QUANT_SIZES)."""
     import mmap
-    import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -133,11 +133,18 @@ def dtype_label(dtype, device: str) -> str:
 def gguf_notes(target: str, device: str, dtype, converted: bool) -> list[str]:
     """The checks above for a .gguf target spec (others: nothing). A conversion not yet made also needs
     the float32 weights in RAM once (transformers dequantizes to float32; the folder keeps them exact)."""
+    from .default_model import check_gguf as check_magic
+
     notes: list[str] = []
     path = Path(target).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
         return notes
-    check_gguf(path, device, dtype_label(dtype, device), notes)
+    check_magic(path)  # not a GGUF at all (an error page, a truncated copy): named as such
+    try:
+        check_gguf(path, device, dtype_label(dtype, device), notes)
+    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, struct.error) as e:
+        raise ConfigError(f"{path} has a damaged GGUF header ({type(e).__name__}: {e})",
+                          "re-download the file") from None
     if not converted and device != "cpu":
         check_gguf(path, "cpu", "float32", [])
     return notes
