@@ -14,9 +14,10 @@ from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from .cpu import cpu_flags, native_bf16
 from .draft import TorchDraft
+from .module import DraftModule
 from .target import TorchTarget
 
-__all__ = ["TorchDraft", "TorchTarget", "load_target", "load_draft", "default_dtype", "default_draft_dtype", "native_bf16"]
+__all__ = ["DraftModule", "TorchDraft", "TorchTarget", "load_target", "load_draft", "default_dtype", "default_draft_dtype", "native_bf16"]
 
 
 def default_dtype(device: str) -> torch.dtype:
