@@ -53,6 +53,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         self.mode = ", ".join(named) or self.weight_format
+        self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None
 
     def build(self, plan: WeightPlan, layer_tensors: list[dict]) -> None:

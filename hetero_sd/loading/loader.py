@@ -65,6 +65,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
         t = load_target(folder, tcfg, path, target_device, dtype, (), max_context, info["notes"], policy)
         info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
         info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
+        info["weight_plan"] = getattr(t, "weight_plan", info["target_weights"])  # the torch plan (plan.py)
         return Loaded(t, None, tokenizer, stop_ids(tcfg, tokenizer, folder), info, target_folder=folder)
 
     dcfg, tensors, dfolder = draft_source(draft, tcfg, tokenizer, info["notes"])
@@ -79,6 +80,7 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     t = load_target(folder, tcfg, path, target_device, dtype, layer_ids, max_context, info["notes"], policy)
     info["target_dtype"] = getattr(t, "numerics", None) or dtype_name(getattr(t, "dtype", None))
     info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
+    info["weight_plan"] = getattr(t, "weight_plan", info["target_weights"])  # the torch plan (plan.py)
     stored = torch.bfloat16 if dfolder is None else stored_dtype(tensors)  # a random draft holds bf16 values
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored),
                       mask, tensors, info["notes"], policy)

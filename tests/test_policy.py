@@ -1,0 +1,46 @@
+"""The load policy (backends/policy.py) is passed down, read from HETERO_SD_* variables only by the CLI
+(hetero_sd/cli/policy.py), and turned into one weight plan at load (torch_backend/plan.py), recorded."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+import hetero_sd
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.cli.policy import policy_from_env
+from hetero_sd.errors import ConfigError
+
+BACKENDS = pathlib.Path(__file__).resolve().parents[1] / "backends"
+
+
+def test_the_cli_reads_the_variables_and_names_them():
+    assert policy_from_env({}) == LoadPolicy()
+    p = policy_from_env({"HETERO_SD_QUANT": "off", "HETERO_SD_FUSED": "0", "HETERO_SD_GEMM": "torch",
+                         "HETERO_SD_QUANT_ISA": "avx2", "HETERO_SD_AMX_ROWS": "4", "HETERO_SD_HOME": "/x"})
+    assert (p.quant, p.fused, p.gemm, p.quant_isa, p.amx_rows) == (False, False, False, "avx2", 4)
+    assert "HETERO_SD_GEMM=torch" in p.why() and "HETERO_SD_HOME" not in p.origin
+    with pytest.raises(ConfigError, match="HETERO_SD_QUANT_ISA='sse'"):
+        policy_from_env({"HETERO_SD_QUANT_ISA": "sse"})
+    with pytest.raises(ConfigError, match="HETERO_SD_AMX_ROWS='many'"):
+        policy_from_env({"HETERO_SD_AMX_ROWS": "many"})
+
+
+def test_no_backend_reads_a_switch_from_the_environment():
+    for path in BACKENDS.rglob("*.py"):
+        assert not re.search(r"(environ|getenv)[^\n]*HETERO_SD_", path.read_text()), path
+
+
+def test_the_plan_follows_the_policy_and_is_recorded(tiny_llama):
+    full = hetero_sd.load(str(tiny_llama), None)
+    bare = hetero_sd.load(str(tiny_llama), None, policy=LoadPolicy(fused=False, gemm=False))
+    assert full.info["weight_plan"] == full.target.plan.describe()
+    assert "fused layer ops" in full.info["weight_plan"] or any("fused layer ops not used" in n for n in full.notes)
+    assert bare.info["weight_plan"] == "float32" and not bare.target.fused
+    assert any("off in the load policy" in n for n in bare.notes)
+    assert all(callable(m) is False for m in bare.target.matrices())  # dense: torch's matmul on the tensors
+    ids = [5, 9, 12, 20, 7]
+    assert full.generate(ids, max_new_tokens=12, speculative=False).token_ids == \
+        bare.generate(ids, max_new_tokens=12, speculative=False).token_ids
