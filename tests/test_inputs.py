@@ -46,7 +46,7 @@ BENCH = [
     (["--blocks", "4,,8"], "--blocks '4,,8' has an empty item"),
     (["--blocks", "1"], "leaves no room"),
     (["--schedule", ","], "--schedule ',' has an empty item"),
-    (["--schedule", "fast"], "'fast' is not a schedule"),
+    (["--schedule", "fast"], "unknown schedule 'fast'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", ","], "--temperature names no temperature"),
     (["--placements", ","], "--placements ',' has an empty item"),
@@ -278,3 +278,19 @@ def test_fetch_default_reconverts_a_damaged_copy(tmp_path, monkeypatch, tiny_lla
     monkeypatch.setattr(dm, "check_gguf", lambda g: None)
     assert main(["fetch", "default"]) == 0
     assert converted == [folder] and dm.converted_problem(folder) is None
+
+
+# --- bad values inside a target's config.json -------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("hidden_size", "576"), ("num_hidden_layers", None), ("num_hidden_layers", -3),
+                                       ("num_attention_heads", 0), ("rms_norm_eps", "abc"), ("vocab_size", 1.5)])
+def test_a_config_value_of_the_wrong_type_is_named(tmp_path, tiny_llama, key, value):
+    import shutil
+
+    folder = tmp_path / "t"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        hetero_sd.load(str(folder), None)
+    assert key in e.value.problem and repr(value) in e.value.problem

@@ -27,7 +27,7 @@ def bench_args(args) -> None:
         raise InvalidArgumentError("--temperature names no temperature", "give one or more, e.g. --temperature 0,1")
     for s in items("--schedule", args.schedule, "sequential,overlap"):
         if s not in SCHEDULES:
-            raise InvalidArgumentError(f"--schedule {s!r} is not a schedule", f"use some of {', '.join(SCHEDULES)}")
+            raise InvalidArgumentError(f"unknown schedule {s!r} in --schedule", f"use some of {', '.join(SCHEDULES)}")
     if args.blocks is not None:
         for b in items("--blocks", args.blocks, "16,8,auto"):
             if b not in ("auto", "fixed") and not b.isdigit():

@@ -33,7 +33,8 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
     p.add_argument("--dtype", default=None, help="the target's: float32, bfloat16, float16, or int8 (rows x GGUF blocks, llama.cpp's numerics: another target) (default: per device)")
     p.add_argument("--draft-dtype", default=None,
-                   help="the draft's (default: bfloat16 on CPUs with native bf16, else the target's)")
+                   help="the draft's (default: the dtype it is stored in; a 16-bit draft in bfloat16 on CPUs with native "
+                        "bf16, else the target's)")
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
                         "measured costs and acceptance), 'fixed' (the draft's own) or a block size")

@@ -55,6 +55,7 @@ class ArchConfig:
         if layer_types != {"full_attention"} or raw.get("use_sliding_window"):
             raise ConfigError(f"{where}: sliding-window attention layers are not supported",
                               "use a model whose layers are all full attention")
+        check_values(raw, where)
         try:
             heads = raw["num_attention_heads"]
             rope_params = raw.get("rope_parameters") or {}
@@ -82,6 +83,30 @@ class ArchConfig:
             )
         except KeyError as e:
             raise ConfigError(f"{where} lacks the field {e.args[0]!r}", "re-create the model folder")
+
+
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+POSITIVE_REALS = ("rms_norm_eps", "rope_theta")
+
+
+def check_values(raw: dict, where: str) -> None:
+    """Sizes are ints >= 1 and eps/theta numbers > 0 (a "576" or a null would fail deep in the layers)."""
+    def bad(key, want):
+        raise ConfigError(f"{where}: {key} is {raw[key]!r}, not {want}", f"fix {key} in {where} (or re-create the folder)")
+
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    for key in SIZES:
+        if key in raw and not whole(raw[key]):
+            bad(key, "an integer >= 1")
+    for key in OPTIONAL_SIZES:
+        if raw.get(key) is not None and not whole(raw[key]):
+            bad(key, "an integer >= 1")
+    for key in POSITIVE_REALS:
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf")):
+            bad(key, "a number > 0")
 
 
 QWEN3_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "rms_norm_eps": 1e-6, "attention_bias": False}
