@@ -14,12 +14,11 @@ The C++ is kernels/gemm.cpp (torch.ops.hetero_sd_gemm), built once by kernels.op
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from .cpu import pick_isa
-from .kernels import KernelUnavailable, ops
+from .kernels import KernelUnavailable, ops  # noqa: F401  (KernelUnavailable: re-exported)
 
 
 
@@ -32,12 +31,9 @@ def isa(flags: frozenset[str] | None = None) -> str | None:
     return pick_isa({"avx512f"}, {"avx2", "fma"}, None, flags)
 
 
-@functools.cache
 def extension():
-    """The compiled kernel module; raises KernelUnavailable with the reason (announced by the caller)."""
-    if isa() is None:
-        raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2+FMA")
-    return ops("gemm")
+    """The compiled ops, or KernelUnavailable with the reason (announced by the caller)."""
+    return ops("gemm", isa() is not None, "this CPU has neither AVX-512 nor AVX2+FMA")
 
 
 class Packed:

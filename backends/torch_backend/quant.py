@@ -25,7 +25,6 @@ float32 fallback. The C++ is kernels/quant.cpp (torch.ops.hetero_sd_quant)."""
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
@@ -47,12 +46,9 @@ def isa(prefer: str | None = None, flags: frozenset[str] | None = None) -> str |
     return pick_isa({"avx512f"}, {"avx2", "fma", "f16c"}, prefer, flags)
 
 
-@functools.cache
 def extension():
-    """The compiled kernel module; raises KernelUnavailable with the reason (announced by the caller)."""
-    if isa() is None:
-        raise KernelUnavailable("this CPU has neither AVX-512 nor AVX2+FMA+F16C")
-    return ops("quant")
+    """The compiled ops (built once: kernels.ops); KernelUnavailable with the reason, which the caller announces."""
+    return ops("quant", isa() is not None, "this CPU has neither AVX-512 nor AVX2+FMA+F16C")
 
 
 class Quantized:

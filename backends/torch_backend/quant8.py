@@ -19,12 +19,11 @@ vpdpbusd; the kernel subtracts 128 * sum q_x) or, on AVX2, as |q| with the sign 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from .cpu import cpu_flags, pick_isa
-from .kernels import KernelUnavailable, ops
+from .kernels import ops
 from .quant import Q4_1, Quantized
 from .quant import extension as quant_extension
 
@@ -45,11 +44,8 @@ def amx_rows(forced: int | None = None, flags: frozenset[str] | None = None) -> 
     return 12 if {"amx_tile", "amx_int8"} <= (cpu_flags() if flags is None else flags) else 0
 
 
-@functools.cache
 def extension():
-    if isa() is None:
-        raise KernelUnavailable("this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C")
-    return ops("quant8")
+    return ops("quant8", isa() is not None, "this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C")
 
 
 class Int8Blocks(Quantized):

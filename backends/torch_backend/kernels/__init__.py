@@ -34,8 +34,11 @@ def built(name: str):
     return build(name)
 
 
-def ops(name: str):
-    """torch.ops.hetero_sd_<name>; a build that failed once fails again at once, with the same message."""
+def ops(name: str, runs_here: bool = True, why_not: str = ""):
+    """torch.ops.hetero_sd_<name>; KernelUnavailable(why_not) on a CPU it does not run on (runs_here False);
+    a build that failed once fails again at once, with the same message."""
+    if not runs_here:
+        raise KernelUnavailable(why_not)
     result = built(name)
     if isinstance(result, KernelUnavailable):
         raise result
