@@ -265,6 +265,7 @@ class Runtime:
             req.lanes.bind(req.target, req.draft)
             if cache:
                 req.reuse = req.stats.num_cached_tokens = self.slots.reusable(pair, req.prompt_ids, use_draft)
+                req.keep_context = True
             yield from loop(req)
             whole = True
         except GeneratorExit:

@@ -98,6 +98,7 @@ def test_second_turn_uses_the_conversation(default_folder, tmp_path):
             roles = [m["role"] for m in app.conversation.messages]
             assert roles == ["user", "assistant", "user", "assistant"]
             assert app.last_stats.num_prompt_tokens > 20  # the second prompt carries the first turn
+            assert app.last_stats.num_cached_tokens > 0  # the prefix cache reused the first turn's caches
 
     run(scenario)
 

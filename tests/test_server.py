@@ -60,6 +60,29 @@ class Live:
         self.thread.join(20)
 
 
+class Slow:
+    """The runtime, with each generation step held for 20 ms: a long generation is then surely still
+    running when a test hangs up or sends its next request, however fast the machine."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def stream(self, *args, **kwargs):
+        inner = self.rt.stream(*args, **kwargs)  # checked now, as the runtime does
+
+        def held():
+            try:
+                for event in inner:
+                    time.sleep(0.02)
+                    yield event
+            finally:
+                inner.close()
+        return held()
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_llama, tiny_draft):
     rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), block_size="fixed", cpu_threads=1)  # tiny: 1 thread
@@ -180,13 +203,14 @@ def wait_idle(engine, timeout=20.0):
         time.sleep(0.02)
 
 
-def test_disconnect_mid_stream_cancels_and_frees_caches(runtime, live):
+def test_disconnect_mid_stream_cancels_and_frees_caches(runtime):
+    live = Live(Slow(runtime))
     wait_idle(live.engine)
     free_before = len(runtime.slots.free)
     cancelled = live.app.state.metrics.request_success.labels(model_name=MODEL, finished_reason="cancelled")
     before = cancelled._value.get()
     body = {"model": MODEL, "messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 1,
-            "stream": True}
+            "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{live.url}/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
@@ -195,6 +219,7 @@ def test_disconnect_mid_stream_cancels_and_frees_caches(runtime, live):
     wait_idle(live.engine)
     assert cancelled._value.get() == before + 1, "the generation ran on after its client left"
     assert len(runtime.slots.free) == free_before, "the cancelled generation kept its caches"
+    live.stop()
 
 
 def test_bounded_load(live):
@@ -220,14 +245,16 @@ def test_bounded_load(live):
 
 
 def test_full_queue_answers_429(runtime):
-    server = Live(runtime, workers=1, queue=0)
+    server = Live(Slow(runtime), workers=1, queue=0)
     try:
-        long = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True}
+        long = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{server.url}/v1/chat/completions", json=long) as r:
-                next(r.iter_lines())
+                lines = r.iter_lines()
+                next(lines)
                 busy = http.post(f"{server.url}/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
-            assert busy.status_code == 429
+                rest = list(lines)
+            assert busy.status_code == 429, rest[:3]
             assert busy.json()["error"]["code"] == "queue_full"
             wait_idle(server.engine)
             assert http.post(f"{server.url}/v1/chat/completions",
@@ -339,7 +366,7 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
                 pass
             assert time.time() < deadline, "the server did not come up"
             time.sleep(0.2)
-        body = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True}
+        body = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             next(lines)

@@ -91,6 +91,7 @@ class ChatApp(App):
                 self.runtime.close()
             self.runtime = None
             self.runtime = load(**self.load_kwargs)
+            self.runtime.prefix_cache = True  # a new turn reuses the caches of the conversation so far
         except Exception as e:  # any failure is shown in the app; the user can change settings or quit
             problem, fix = ((e.problem, e.fix) if isinstance(e, HeteroSDError) else
                             (f"{type(e).__name__}: {e}", "check the model settings (ctrl+o)"))

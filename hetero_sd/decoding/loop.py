@@ -84,6 +84,7 @@ class Request:
     draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
     context_s: float = 0.0  # of which the draft's catch-up on context (long after a plain stretch)
     reuse: int = 0  # prompt positions already in the target's cache and the draft's context (prefix cache)
+    keep_context: bool = False  # the prefix cache keeps this generation's caches: bring the draft up to date
 
     def block_size(self) -> int:
         """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
@@ -216,6 +217,15 @@ def speculative(r: Request) -> Iterator[Step]:
         step, verdict, verified = verify_block(r, anchor, logits)
         anchor, pending = verdict.tokens[-1], [verified]
         yield step
+    keep_context(r, pending)
+
+
+def keep_context(r: Request, pending: list[torch.Tensor]) -> None:
+    """At the end of a generation whose caches the prefix cache keeps, the draft takes the context features
+    it has not seen yet (after a plain stretch, many), so that a next turn can reuse its context as far as
+    the target's cache. After the last token: it delays no text."""
+    if r.keep_context and pending:
+        on_draft(r, "context", lambda: r.draft.add_context(pending[0] if len(pending) == 1 else torch.cat(pending)))
 
 
 def next_block(r: Request, context: list[torch.Tensor], anchor: int, ready: torch.Tensor | None,
@@ -265,6 +275,7 @@ def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Ste
         if ready is FAULT:
             yield from finish_autoregressive(r, anchor)
             return
+    keep_context(r, pending)
 
 
 def on_predraft(r: Request, future, outcome: tuple[int, int]):

@@ -101,7 +101,7 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
         def start() -> tuple[Job, list[int]]:  # tokenizing and the runtime's checks, off the event loop
             ids = prompt()
             options = sampling_options(runtime, body, settings, len(ids), max_tokens)
-            return engine.admit(ids, options, body.stops(), loop), ids
+            return engine.admit(ids, options, body.stops(), loop, not body.ignore_eos), ids
 
         try:
             job, ids = await anyio.to_thread.run_sync(start)

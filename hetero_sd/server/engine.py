@@ -71,7 +71,7 @@ class Engine:
         self.running = 0
         self.closing = False
 
-    def admit(self, prompt_ids: list[int], options: dict, stops: list[str], loop) -> Job:
+    def admit(self, prompt_ids: list[int], options: dict, stops: list[str], loop, stop_at_eos: bool = True) -> Job:
         """Check and start a generation; raises ApiError (429 when full) or the runtime's own errors."""
         with self.lock:
             if self.closing:
@@ -82,7 +82,7 @@ class Engine:
             job = Job(None, stops, loop)
             self.jobs.add(job)
         try:  # every argument is checked here, before any model work (and before any response is sent)
-            job.events = self.rt.stream(prompt_ids, stop_at_eos=True, **options)
+            job.events = self.rt.stream(prompt_ids, stop_at_eos=stop_at_eos, **options)
         except BaseException:
             self.release(job)
             raise

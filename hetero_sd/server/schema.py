@@ -52,6 +52,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever the model says (benchmarks)
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
