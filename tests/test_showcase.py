@@ -127,3 +127,21 @@ def test_the_makefile_installs_the_reference_apart_from_the_venv():
     line = next(x for x in make.splitlines() if "dflash==" in x)
     assert "--no-deps" in line and "--target $(VENV)/reference" in line
     assert make.index("dflash==") > make.index('-e ".[dev]"')
+
+
+def test_the_sweep_table_says_when_no_block_ran():
+    from hetero_sd.bench.experiments import fmt
+
+    assert fmt(Drift("ane-sim").to_dict() | {"tau_ratio": None}) == "no draft block ran"
+    assert fmt({"cosine": 0.9991, "tau_ratio": 1.0}) == "cos 0.9991, tau x1.000"
+
+
+def test_the_chat_panel_and_stats_say_when_no_block_ran():
+    from hetero_sd.decoding.stats import Stats
+    from hetero_sd.tui.session import panel_text
+
+    stats = Stats(mode="speculative")
+    stats.drift = Drift("ane-sim")
+    text = panel_text(stats, {}, None, {"schedule": "sequential", "temperature": 0.0}).plain
+    assert "no draft block ran" in text and "cos 0.0" not in text
+    assert stats.to_dict()["drift"]["cosine"] is None

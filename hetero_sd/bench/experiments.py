@@ -43,7 +43,9 @@ class SweepTable:
 
 
 def fmt(value) -> str:
-    if isinstance(value, dict):  # drift
+    if isinstance(value, dict):  # drift (no figures where no draft block ran)
+        if value.get("cosine") is None or value.get("tau_ratio") is None:
+            return "no draft block ran"
         return f"cos {value['cosine']:.4f}, tau x{value['tau_ratio']:.3f}"
     if isinstance(value, float):
         return f"{value:.2f}"
