@@ -219,3 +219,19 @@ def test_hooked_features_equal_output_hidden_states(family):
     expected = torch.cat([states[i + 1][0] for i in target.layer_ids], dim=-1)
     assert target.layer_ids[-1] == target.config.num_hidden_layers - 1  # the final-norm case is covered
     assert torch.equal(out.features, expected)
+
+
+def test_the_prefix_cache_keeps_the_output(family):
+    """A next turn reuses the caches of the longest shared prefix (the runtime's prefix cache): the cut
+    lands before the last forward, so sliding-window and recurrent caches re-run the prefix from position
+    0 and full-attention caches are cut in place; the tokens are the same either way."""
+    name, rt, reference = family
+    turns = [PROMPT, PROMPT + reference[:6] + [7, 8]]
+    fresh = [rt.generate(p, max_new_tokens=8).token_ids for p in turns]
+    rt.prefix_cache = True
+    try:
+        cached = [rt.generate(p, max_new_tokens=8) for p in turns]
+    finally:
+        rt.prefix_cache = False
+    assert [g.token_ids for g in cached] == fresh
+    assert cached[1].stats.num_cached_tokens > 0

@@ -146,18 +146,23 @@ class HFTarget(TargetBackend):
 
     @torch.inference_mode()
     def crop(self, length: int) -> None:
-        """Keep positions < length. Within the last forward's block the cache still holds the block's
-        history (recorded past), so a second crop into the same block needs no recompute either."""
+        """Keep positions < length. A cut inside the last forward's block uses the history the cache
+        recorded for it; a cut further back (a prefix cache's, the cost probe's) re-runs the prefix,
+        except where every layer is full attention (cut in place)."""
         length = max(0, int(length))
         if length >= len(self.ids):
             return
         if length == 0:
             self.reset()
+        elif self.full_attention_only():  # every position kept: cut anywhere (a prefix cache's crops too)
+            self.cache.crop(-(len(self.ids) - length))
+            del self.ids[length:]
         elif self.settled or length < self.block_start:
             self.recompute(length)
         elif not self.has_recurrent:
             self.cache.crop(-(len(self.ids) - length))
             del self.ids[length:]
+            self.settled = True  # that crop trimmed the sliding windows to their size: no further cut back
         elif self.snapshot is None:  # the block began at position 0: its start state is a fresh cache
             self.recompute(length)
         else:  # recurrent layers: back to the block's start state, then the accepted prefix again
@@ -165,8 +170,13 @@ class HFTarget(TargetBackend):
             self.restore_snapshot()
             self.cache.crop(-(len(self.ids) - start))
             del self.ids[start:]
-            if kept:
+            self.settled = True  # that crop trimmed the convolution windows
+            if kept:  # a new block from the same start state: a later cut inside it rolls back again
                 self.run(kept, hidden=False, last_only=True)
+
+    def full_attention_only(self) -> bool:
+        """No sliding window (trimmed to its window once settled) and no recurrent state in any layer."""
+        return not self.has_recurrent and not any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
 
     def recompute(self, length: int) -> None:
         kept = self.ids[:length]
