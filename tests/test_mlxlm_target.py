@@ -80,3 +80,14 @@ def test_greedy_equals_mlx_lm(models, name, draft_device):
     oracle = OracleDraft(PROMPT + reference, 4, VOCAB, right=lambda position: position % 5 != 0)
     cut = with_draft(rt, oracle).generate(PROMPT, max_new_tokens=NEW)
     assert cut.token_ids == reference and len(set(cut.stats.accepted_per_step)) >= 3  # cut at several positions
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_next"])
+def test_the_prefix_cache_keeps_the_output_on_mlx(models, name):
+    rt = hetero_sd.load(str(models[name]), "random:1", target_device="mlx", draft_device="cpu", block_size=4)
+    first = rt.generate(PROMPT, max_new_tokens=8).token_ids
+    turns = [PROMPT, PROMPT + first[:5] + [7, 8]]
+    fresh = [rt.generate(p, max_new_tokens=8).token_ids for p in turns]
+    rt.prefix_cache = True
+    cached = [rt.generate(p, max_new_tokens=8) for p in turns]
+    assert [g.token_ids for g in cached] == fresh and cached[1].stats.num_cached_tokens > 0
