@@ -151,3 +151,35 @@ def test_every_anchor_and_the_schedule(tmp_path, tiny_llama):
     assert resumed[0]["step"] == 7
     assert [r["lr"] for r in resumed] == pytest.approx([1e-3 * lr_factor(s, TrainConfig(**{**cfg, "steps": 9}))
                                                         for s in range(6, 9)])
+
+
+def test_replayed_decoding_and_the_ngram_floor():
+    """Replay accepts leading matches and re-anchors one past them (the bonus token), as decoding does; a
+    bigram rule in the training answers gives the n-gram draft full blocks on held-out rows."""
+    from hetero_sd.train.evaluate import NGramDraft, ngram_tau, replay
+    ids = list(range(100, 120))
+    assert replay(ids, 2, 4, lambda a: ids[a + 1:a + 4], 100) == [4, 4, 4, 4, 1]  # 17 answer tokens after ids[2]
+    assert replay(ids, 2, 4, lambda a: [0, 0, 0], 6) == [1] * 5
+    assert replay(ids, 2, 4, lambda a: [ids[a + 1], 0, 0], 100) == [2] * 8 + [1]
+    train = [{"prompt_ids": [1, 2], "response_ids": list(range(s, s + 12)), "source": "code"} for s in range(3, 40)]
+    table = NGramDraft(train)
+    held = [{"prompt_ids": [1, 2], "response_ids": list(range(10, 30)), "source": "code"}]
+    got = ngram_tau(table, held, 4, 64)
+    assert got["code"]["rows"] == 1 and got["all"]["tau"] > 3.5
+
+
+def test_frequent_vocabulary_holds_every_label_of_the_step():
+    """--vocab-frequent K: the K most frequent answer tokens, the step's labels (rare ones too) and the
+    negatives; the reduced logits are the full head's columns and every label maps into them."""
+    import random
+    from hetero_sd.train.model import TrainingVocab
+    head = torch.randn(60, 8)
+    rows = [{"response_ids": [5] * 9 + [6] * 5 + [7] * 3 + [40, 41]}]
+    vocab = TrainingVocab(rows, head, negatives=3, frequent=2)
+    assert vocab.answers == [5, 6]
+    labels = torch.tensor([[41, 5, -100], [7, 6, 6]])
+    vocab.draw(random.Random(0), labels)
+    assert {5, 6, 7, 41} <= set(vocab.ids.tolist()) and 40 not in vocab.answers
+    mapped = vocab.labels(labels)
+    assert torch.equal(torch.where(mapped >= 0, vocab.ids[mapped.clamp_min(0)], -100), labels)
+    assert len(vocab) <= 2 + 2 + 3

@@ -66,10 +66,15 @@ def add_parser(sub) -> None:
                         "(resumable, progress in DIR/progress.json), do not train")
     t.add_argument("--vocab", choices=["data", "full"], default="data",
                    help="softmax of the loss over the answers' tokens (~3x cheaper steps) or all tokens")
+    t.add_argument("--vocab-frequent", type=int, default=0, metavar="K",
+                   help="with --vocab data: only the K most frequent answer tokens, each step's labels and "
+                        "2048 random others in the loss's softmax (0: every answer token)")
     t.add_argument("--soft", type=float, default=0.0,
                    help="weight of distillation from the target's distribution (its top-k per position)")
     t.add_argument("--soft-top-k", type=int, default=32)
     t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--held-out", type=int, default=24,
+                   help="rows never trained on (smallest key hashes); the periodic tau reads 24 of them")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--snapshots", action="store_true",
@@ -164,7 +169,7 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
-                      feature_cache=args.feature_cache)
+                      feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

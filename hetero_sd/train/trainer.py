@@ -43,11 +43,13 @@ class TrainConfig:
     accumulate: int = 4  # sequences per optimizer step (the effective batch: gradients accumulate over them)
     anchors: int = 0  # blocks per sequence per step: 0 = every response token with a successor, else N random
     gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
-    held_out: int = 24
+    held_out: int = 24  # rows never trained on (the smallest key hashes: see split_held_out)
+    eval_rows: int = 24  # of those, the ones the periodic teacher-forced tau reads (the rest: evaluate.py's)
     eval_every: int = 100
     seed: int = 0
     init: str = "target"  # "target": draft layers start as copies of the target's last layers; else a draft folder
-    vocab: str = "data"  # "data": the loss's softmax runs over the tokens of the answers (TrainingVocab)
+    vocab: str = "data"  # "data": the loss's softmax runs over the tokens of the answers (TrainingVocab); "full"
+    vocab_frequent: int = 0  # > 0: only this many most frequent answer tokens + each step's labels + negatives
     soft: float = 0.0  # weight of distillation from the target's distribution (0: hard labels only)
     soft_top_k: int = 32  # the target's distribution kept per position: its k most likely tokens
     snapshots: bool = False  # keep the draft of every evaluation (OUT/snapshots/step-N): a learning curve
@@ -342,7 +344,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     split = attention_path(model, cfg)
     held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
     train_rows = [r for r in rest if len(r["response_ids"]) > 1]
-    vocab = TrainingVocab(train_rows, model.lm_head) if cfg.vocab == "data" else None
+    vocab = TrainingVocab(train_rows, model.lm_head, frequent=cfg.vocab_frequent or None) \
+        if cfg.vocab == "data" else None
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(step, cfg))
     out.mkdir(parents=True, exist_ok=True)
@@ -367,7 +370,10 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         init_from_draft(model, Path(cfg.init), raw)
     notes = {"autocast": autocast_note(device, autocast, cfg.autocast),
              "attention": "split (block vs context + within block)" if split else "dense (one masked matrix)",
-             "loss": "chunked cross-entropy" if split and cfg.soft == 0 else "cross-entropy over all logits"}
+             "loss": "chunked cross-entropy" if split and cfg.soft == 0 else "cross-entropy over all logits",
+             "features": (f"on disk in {cfg.feature_cache}" if features.disk is not None else
+                          "in memory" + (" (--feature-cache not used: soft labels need the target's logits, "
+                                         "so its forward runs every time)" if cfg.feature_cache else ""))}
     weights = torch.exp(-torch.arange(cfg.block_size - 1, device=device) / cfg.decay())
     last = cfg.history[-1] if cfg.history else {}
     began, cpu0 = time.perf_counter(), time.process_time() - last.get("cpu_s", 0)
@@ -376,11 +382,12 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     for step in range(start, cfg.steps):
         lr = optim.param_groups[0]["lr"]
         total, blocks = 0.0, 0
-        if vocab is not None:
-            vocab.draw(rng)
-        for first in range(0, cfg.accumulate, per_forward):
-            count = min(per_forward, cfg.accumulate - first)
-            batch = make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device)
+        counts = [min(per_forward, cfg.accumulate - first) for first in range(0, cfg.accumulate, per_forward)]
+        batches = [make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device) for count in counts]
+        if vocab is not None:  # after the batches: the step's labels join a frequent-tokens vocabulary
+            vocab.draw(rng, torch.cat([block_labels(b.tokens, b.anchors, cfg.block_size, b.ends).flatten()
+                                       for b in batches]) if cfg.vocab_frequent else None)
+        for count, batch in zip(counts, batches):
             blocks += int(batch.anchors.shape[0])
             with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = loss_fn(model, batch, weights, vocab, cfg.soft, split) * count / cfg.accumulate
@@ -398,7 +405,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             if features.disk is not None:
                 features.disk.flush()
-            record["held_out_tau"] = held_out_tau(model, held, features, split)
+            record["held_out_tau"] = held_out_tau(model, held[:cfg.eval_rows], features, split)
             cfg.history.append(record)
             save(out, model, optim, schedule, step + 1, rng, cfg, raw, notes)
         with (out / "log.jsonl").open("a") as log:

@@ -1,0 +1,83 @@
+"""Simulated-decoding tau on the fixed held-out rows of the shards, by source (chat = ShareGPT, code =
+stdlib), next to the 1-3-gram floor; appends a learning-curve point when given a training run.
+
+    python benchmarks/eval_heldout.py --draft cpu-trained --json benchmarks/results/training/heldout.json
+    python benchmarks/eval_heldout.py --run /work/train-out/long --curve benchmarks/results/training/long-run-curve.json
+
+Held-out rows: the 256 smallest key hashes of the shards (hetero_sd/train/trainer.py split_held_out), which
+the long run (`benchmarks/train_draft.sh`, --held-out 256) never trains on. Each row is replayed for its
+first --max-tokens answer tokens (hetero_sd/train/evaluate.py). Features come from --feature-cache (the
+long run's store holds them once its evaluation has read them) or are computed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hetero_sd.loading.sources import resolve_target  # noqa: E402
+from hetero_sd.models.config import ArchConfig, read_json  # noqa: E402
+from hetero_sd.train.command import init_folder  # noqa: E402
+from hetero_sd.train.distill import load_distilled  # noqa: E402
+from hetero_sd.train.evaluate import NGramDraft, draft_tau, ngram_tau  # noqa: E402
+from hetero_sd.train.trainer import FeatureCache, split_held_out  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", action="append", default=[], help="draft folder or shipped name (repeatable)")
+    ap.add_argument("--run", help="a training run's folder: its current draft, a learning-curve point")
+    ap.add_argument("--curve", help="learning-curve JSON to append the --run point to")
+    ap.add_argument("--held-out", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
+    ap.add_argument("--feature-cache", default="/work/train-out/features")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = resolve_target("default")
+    rows = load_distilled(Path(args.distill), target)
+    held, rest = split_held_out(rows, args.held_out, 0)
+    held = [r for r in held if len(r["response_ids"]) > 1]
+    cpu0 = time.process_time()
+    result = {"held_out_rows": len(held), "max_tokens": args.max_tokens, "block_size": 16,
+              "ngram_floor": ngram_tau(NGramDraft(rest), held, 16, args.max_tokens)}
+    drafts = [(name, init_folder(name)) for name in args.draft]
+    if args.run:
+        drafts.append(("run", args.run))
+    features = None
+    for name, folder in drafts:
+        raw = read_json(Path(folder) / "config.json")
+        if features is None:
+            tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
+            features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
+                                    disk=Path(args.feature_cache) if args.feature_cache else None)
+        result[name] = draft_tau(Path(folder), features, held, args.max_tokens)
+    if features is not None and features.disk is not None:
+        features.disk.flush()
+    result["cpu_s"] = round(time.process_time() - cpu0, 1)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.run and args.curve:
+        log = [json.loads(line) for line in (Path(args.run) / "log.jsonl").read_text().splitlines() if line.strip()]
+        state = json.loads((Path(args.run) / "training.json").read_text())
+        at = next((r for r in reversed(log) if r["step"] == state["step"]), log[-1])
+        curve = json.loads(Path(args.curve).read_text()) if Path(args.curve).is_file() else {"points": []}
+        curve["points"].append({"step": at["step"], "blocks_trained": at.get("blocks_total"),
+                                "cpu_hours": round(at["cpu_s"] / 3600, 3), "teacher_forced_tau": at.get("held_out_tau"),
+                                "simulated": result["run"], "ngram_floor": result["ngram_floor"],
+                                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
+        Path(args.curve).write_text(json.dumps(curve, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
