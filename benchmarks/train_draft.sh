@@ -18,6 +18,6 @@ nice -n 19 nohup env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m heter
     --target default --distill benchmarks/distill-data/SmolLM2-135M-Instruct --out "$OUT" \
     --init-from "${INIT:-cpu-trained}" --layers 2 --block-size 16 --steps "${STEPS:-6000}" --lr "${LR:-1e-3}" \
     --accumulate 4 --anchors 0 --vocab-frequent "${VOCAB_K:-8192}" --feature-cache "$FEATURES" --held-out "${HELD_OUT:-256}" \
-    --soft "$SOFT" --eval-every "${EVAL:-50}" --threads "${THREADS:-1}" $RESUME >> "$OUT/train.log" 2>&1 &
+    --soft "$SOFT" --eval-every "${EVAL:-10}" --threads "${THREADS:-1}" $RESUME >> "$OUT/train.log" 2>&1 &
 echo $! > "$OUT/pid"
 echo "train-$ARM $(cat "$OUT/pid"): log $OUT/log.jsonl, $OUT/train.log"
