@@ -4,6 +4,7 @@ checkpoint is loaded without running code."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
@@ -183,3 +184,22 @@ def test_frequent_vocabulary_holds_every_label_of_the_step():
     mapped = vocab.labels(labels)
     assert torch.equal(torch.where(mapped >= 0, vocab.ids[mapped.clamp_min(0)], -100), labels)
     assert len(vocab) <= 2 + 2 + 3
+
+
+def test_cache_features_command_fills_the_store_the_trainer_reads(tmp_path, tiny_llama):
+    """`train-draft --cache-features` stores every row's features; training with the same --feature-cache
+    then runs the target for no sequence, and trains as it does with features computed on the fly."""
+    import argparse
+    from hetero_sd.train.command import cache_features
+    from hetero_sd.train.trainer import TrainConfig, train
+    rows = [{"index": i, "key": f"k{i}", "prompt_ids": [5, 6, 7], "response_ids": list(range(8 + i, 24 + i))}
+            for i in range(6)]
+    store = tmp_path / "features"
+    cache_features(tiny_llama, rows, argparse.Namespace(layers=1, device="cpu", feature_cache=str(store)))
+    assert json.loads((store / "progress.json").read_text())["done"] == 6
+    cfg = dict(block_size=4, layers=1, steps=2, accumulate=2, held_out=2, eval_every=2, anchors=4)
+    logged = []
+    cached = train(tiny_llama, rows, tmp_path / "a", TrainConfig(**cfg, feature_cache=str(store)), progress=logged.append)
+    fresh = train(tiny_llama, rows, tmp_path / "b", TrainConfig(**cfg))
+    assert logged[-1]["features_computed"] == 0
+    assert [r["loss"] for r in cached["history"]] == pytest.approx([r["loss"] for r in fresh["history"]])
