@@ -250,11 +250,13 @@ def test_full_queue_answers_429(runtime):
         long = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{server.url}/v1/chat/completions", json=long) as r:
+                assert r.status_code == 200
                 lines = r.iter_lines()
                 next(lines)
+                state = (len(server.engine.jobs), server.engine.running)
                 busy = http.post(f"{server.url}/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2})
                 rest = list(lines)
-            assert busy.status_code == 429, rest[:3]
+            assert busy.status_code == 429, (state, rest[:2], rest[-3:])
             assert busy.json()["error"]["code"] == "queue_full"
             wait_idle(server.engine)
             assert http.post(f"{server.url}/v1/chat/completions",
