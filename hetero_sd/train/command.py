@@ -95,7 +95,8 @@ def train_command(args: argparse.Namespace) -> None:
     if args.generate_only and not args.distill:
         raise ConfigError("--generate-only makes --distill data", "add --distill DIR")
     if args.cache_features and not (args.distill and args.feature_cache):
-        raise ConfigError("--cache-features fills a feature cache from --distill data", "add --distill DIR --feature-cache DIR")
+        raise ConfigError("--cache-features fills a feature cache from --distill data",
+                          "add --distill DIR --feature-cache DIR")
     if not args.out and not args.generate_only and not args.cache_features:
         raise ConfigError("train-draft needs --out for the trained draft", "add --out DIR")
     target = resolve_target(args.target)

@@ -40,7 +40,8 @@ def token_crc(ids) -> int:
 
 def store_manifest(target_folder: Path, layer_ids: list[int], width: int) -> dict:
     config = (Path(target_folder) / "config.json").read_bytes()
-    return {"format": FORMAT, "target": Path(target_folder).name, "target_config_sha1": hashlib.sha1(config).hexdigest(),
+    return {"format": FORMAT, "target": Path(target_folder).name,
+            "target_config_sha1": hashlib.sha1(config).hexdigest(),
             "layer_ids": list(layer_ids), "dtype": "bfloat16", "width": width}
 
 
@@ -55,7 +56,8 @@ class FeatureStore:
             old = json.loads(path.read_text())
             diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
             if diff:
-                raise ConfigError(f"feature store {self.folder} holds features made differently: {diff} (stored, asked)",
+                raise ConfigError(f"feature store {self.folder} holds features made differently: {diff} "
+                                  "(stored, asked)",
                                   "give another --feature-cache folder")
         else:
             tmp = self.folder / ".manifest.json.tmp"

@@ -321,7 +321,8 @@ def held_out_tau(model: TrainingDraft, rows, features, split: SplitForward | Non
             continue
         labels = block_labels(tokens, anchors, b)
         forward = split or model
-        guess = model.logits(forward(features(row["index"], tokens.tolist(), row.get("key")), tokens, anchors)).argmax(-1)
+        context = features(row["index"], tokens.tolist(), row.get("key"))
+        guess = model.logits(forward(context, tokens, anchors)).argmax(-1)
         right = (guess == labels).int().cumprod(-1).sum(-1)
         lengths += (right + 1).tolist()
     return sum(lengths) / max(len(lengths), 1)
