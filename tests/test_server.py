@@ -381,3 +381,14 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv, says", [(["--port", "70000"], "--port 70000"),
+                                        (["--schedule", "pipeline"], "--schedule pipeline"),
+                                        (["--workers", "0"], "--workers"), (["--top-p", "2"], "--top-p")])
+def test_serve_flags_are_checked_before_loading(argv, says, capsys):
+    from hetero_sd.cli.main import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "fix:" in err
