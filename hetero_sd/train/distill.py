@@ -47,19 +47,27 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def open_manifest(folder: Path, manifest: dict, holds: str, fix: str) -> Path:
+    """Create `folder` and its manifest.json, or check that the stored manifest asks what `manifest` asks
+    (a store resumed with other settings would mix two kinds of data). Written atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "manifest.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
+        if diff:
+            raise ConfigError(f"{folder} holds {holds} made differently: {diff} (stored, asked)", fix)
+    else:
+        tmp = folder / f".manifest.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, path)
+    return folder
+
+
 class ShardStore:
     def __init__(self, folder: Path, manifest: dict):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / "manifest.json"
-        if path.is_file():
-            old = json.loads(path.read_text())
-            diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
-            if diff:
-                raise ConfigError(f"{self.folder} holds answers made differently: {diff} (stored, asked)",
-                                  "use the stored settings or another folder")
-        else:
-            path.write_text(json.dumps(manifest, indent=2) + "\n")
+        self.folder = open_manifest(folder, manifest, "answers", "use the stored settings or another folder")
         self.manifest = manifest
 
     @classmethod

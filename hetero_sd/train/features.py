@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetero_sd.errors import ConfigError
+from .distill import open_manifest
 
 FORMAT = 1
 
@@ -49,20 +49,7 @@ class FeatureStore:
     """Features [S, width] per sequence key, on disk; `get` returns None for a sequence not stored."""
 
     def __init__(self, folder: Path, manifest: dict, flush_tokens: int = 1 << 16):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / "manifest.json"
-        if path.is_file():
-            old = json.loads(path.read_text())
-            diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
-            if diff:
-                raise ConfigError(f"feature store {self.folder} holds features made differently: {diff} "
-                                  "(stored, asked)",
-                                  "give another --feature-cache folder")
-        else:
-            tmp = self.folder / ".manifest.json.tmp"
-            tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-            os.replace(tmp, path)
+        self.folder = open_manifest(folder, manifest, "features", "give another --feature-cache folder")
         self.manifest, self.width = manifest, manifest["width"]
         self.index: dict[str, tuple[str, int, int, int]] = {}  # key -> (shard, crc, offset, length)
         self.known: set[str] = set()
