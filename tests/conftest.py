@@ -22,12 +22,17 @@ if REFERENCE.is_dir() and str(REFERENCE) not in sys.path:
 TINY_VOCAB = 64
 
 
+SESSION_THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(autouse=True)
 def keep_torch_threads():
-    """Runtimes loaded for concurrent schedules set torch's (process-wide) thread count; undo it."""
-    threads = torch.get_num_threads()
+    """Runtimes loaded for concurrent schedules (and module fixtures of tiny models) set torch's process-wide
+    thread count; every test starts from the session's. Read at import, not per test: a module-scoped
+    fixture is set up before this function-scoped one, so a per-test reading would keep its leak."""
+    torch.set_num_threads(SESSION_THREADS)
     yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(SESSION_THREADS)
 
 
 def tiny_tokenizer(folder: Path, vocab_size: int) -> None:

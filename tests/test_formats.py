@@ -60,7 +60,9 @@ def test_first_block_matches_the_reference(name, drafts, target, hf_target):
     tokens, logits = ref.first_block(model, hf_target, PROMPT)
     step = hetero_sd.load(str(target), str(folder), draft_dtype="float32").draft_step(PROMPT)
     assert step.tokens == tokens
-    torch.testing.assert_close(torch.from_numpy(step.logits), logits, rtol=1e-4, atol=1e-5)
+    # float32 with other reduction orders (our kernels vs transformers', 1 or 2 threads): up to ~1.3e-5 on
+    # logits of magnitude ~4 (measured); a wrong mask, rope or norm moves them by 1e-2 and more.
+    torch.testing.assert_close(torch.from_numpy(step.logits), logits, rtol=1e-4, atol=5e-5)
     if name.startswith("dflash2"):  # the selector changed the path: it is not argmax in disguise
         assert tokens != logits.argmax(-1).tolist()
 
