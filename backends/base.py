@@ -95,6 +95,7 @@ class ModelWeights:
     format: DraftFormat | None = None  # the draft's format (DFlash, DFlash2, ...)
     read_bytes: int | None = None  # weight bytes a decode step reads, where not the tensors' own size
     #                                (a target multiplying GGUF blocks reads those, not its float32 copy)
+    draft_vocab: torch.Tensor | None = None  # a reduced draft head: the target ids of lm_head's K columns
 
 
 def feature_parts(layer_ids: list[int], captured: list, num_layers: int, final_norm) -> list:

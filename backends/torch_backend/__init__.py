@@ -7,11 +7,13 @@ from pathlib import Path
 import torch
 
 from hetero_sd.models.config import ArchConfig, DraftConfig
+from hetero_sd.models import draft_vocab
 from hetero_sd.models.draft_format import check_tensors
 from hetero_sd.models.weights import load_weights
 
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
+from . import head
 from .cpu import cpu_flags, native_bf16
 from .draft import TorchDraft
 from .module import DraftModule
@@ -51,11 +53,14 @@ def load_draft(folder: Path, cfg: DraftConfig, target, device: str, dtype: torch
     must not carry the int8 head's rounding); the policy can turn the int8 head off too."""
     tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
     feature_size = len(target.layer_ids) * target.config.hidden_size
-    # another backend's target (MLX) has no torch head to share: the draft then makes its own
-    head, note = target.head_for(device, dtype, int8_head and policy.draft_int8_head) \
-        if isinstance(target, TorchTarget) else (None, None)
-    return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), as_torch(target.lm_head),
-                      feature_size, mask_token_id, target.max_context, head, policy=policy, head_note=note)
+    int8, lm_head, ids = int8_head and policy.draft_int8_head, as_torch(target.lm_head), head.vocab_ids(tensors, policy)
+    if ids is not None:  # a reduced head: those rows of the target's head (head.py)
+        mm, note = head.reduced_blocks(target, ids, lm_head, device, int8, policy)
+        note = note or draft_vocab.describe(ids.numel(), lm_head.shape[1])
+    else:  # another backend's target (MLX) has no torch head to share: the draft then makes its own
+        mm, note = target.head_for(device, dtype, int8) if isinstance(target, TorchTarget) else (None, None)
+    return TorchDraft(cfg, tensors, folder, device, dtype, as_torch(target.embed), lm_head, feature_size,
+                      mask_token_id, target.max_context, mm, policy=policy, head_note=note, vocab_ids=ids)
 
 
 def as_torch(x) -> torch.Tensor:

@@ -17,6 +17,7 @@ from hetero_sd.models.weights import take
 
 from ..base import DraftBackend, ModelWeights
 from .dflash2 import Selector, conv_layer, layer_convs
+from .head import DraftHead, output_logits, sliced  # noqa: F401 (output_logits: its home was here)
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm
@@ -31,9 +32,10 @@ class TorchDraft(CacheOwner, DraftBackend):
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
                  max_context: int, lm_head_mm=None, pack: bool = True, policy: LoadPolicy = DEFAULT,
-                 head_note: str | None = None):
+                 head_note: str | None = None, vocab_ids: torch.Tensor | None = None):
         """lm_head_mm: what the target's head is multiplied by for this draft (TorchTarget.head_for), else
-        the draft packs its own; pack=False: no plan, the tensors as they are (training)."""
+        the draft packs its own; pack=False: no plan, the tensors as they are (training). vocab_ids: the
+        draft's reduced vocabulary (head.py): its head is those rows of lm_head, lm_head_mm their multiplier."""
         arch = self.arch = cfg.arch
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
@@ -44,12 +46,15 @@ class TorchDraft(CacheOwner, DraftBackend):
         plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
         plan.note_gemm_off()
         multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
-        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply)
+        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply,
+                                    kv=True)
                        for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
-        self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype))
+        self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype)) \
+            if vocab_ids is None else sliced(lm_head, vocab_ids, device, dtype)
         self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
         self.mm_fc = plan.dense(self.fc) if pack else self.fc
+        self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
         self.notes: list[str] = plan.notes + ([head_note] if head_note and pack else [])
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
@@ -89,7 +94,7 @@ class TorchDraft(CacheOwner, DraftBackend):
     def weights(self) -> ModelWeights:
         return ModelWeights(self.arch, self.embed, self.lm_head, self.norm, self.layers,
                             self.cache.bytes_per_position(), self.rope, self.fc, self.hidden_norm, self.format,
-                            read_bytes=self.read_bytes())
+                            read_bytes=self.read_bytes(), draft_vocab=self.head.ids)
 
     def read_bytes(self) -> int | None:
         """Weight bytes a block reads when its head is the target's GGUF blocks (the cost floor), else None."""
@@ -124,8 +129,7 @@ class TorchDraft(CacheOwner, DraftBackend):
             keys, values = write(k, v)
             h = layer.attend(h, q, keys, values, masks[i])
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
-        rows = self.last_hidden.float() if getattr(self.mm_head, "blocks", False) else self.last_hidden
-        logits = output_logits(linear(rows, self.mm_head), self.format).float()
+        logits = self.head(self.last_hidden)  # [size-1, vocab] float32, whole head or reduced (head.py)
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
 
 
@@ -146,14 +150,6 @@ class TorchDraft(CacheOwner, DraftBackend):
             q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
             h = layer.attend(h, q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask)
         return rms_norm(h[0], self.norm, eps)
-
-
-def output_logits(logits: torch.Tensor, fmt) -> torch.Tensor:
-    if fmt.output_multiplier != 1.0:
-        logits = logits * fmt.output_multiplier
-    if fmt.logit_softcap is not None:
-        logits = torch.tanh(logits / fmt.logit_softcap) * fmt.logit_softcap
-    return logits
 
 
 def block_masks(attention, start: int, position: int, size: int, device) -> list[torch.Tensor | None]:

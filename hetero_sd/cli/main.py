@@ -115,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
 
     from hetero_sd.train.command import add_parser as add_train_parser
     add_train_parser(sub)
+    from hetero_sd.train.reduce_vocab import add_parser as add_vocab_parser
+    add_vocab_parser(sub)
     from .serve import add_parser as add_serve_parser
     add_serve_parser(sub, add_model_args, add_sampling_args)
 
@@ -298,6 +300,11 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_draft_vocab(args) -> None:
+    from hetero_sd.train.reduce_vocab import command
+    command(args)
+
+
 def cmd_train_draft(args) -> None:
     from hetero_sd.train.command import train_command
     train_args(args)  # numbers, --data and --out, before any target loads
@@ -308,7 +315,7 @@ def cmd_train_draft(args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,
-            "train-draft": cmd_train_draft, "serve": cmd_serve}
+            "train-draft": cmd_train_draft, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab}
 
 
 CHECKED = ("generate", "bench", "chat", "serve")  # train-draft checks its own arguments

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 from hetero_sd.errors import ConfigError, WeightsError
 
+from . import draft_vocab
+
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 FIX_FORMAT = "hetero-sd runs DFlash (DFlashDraftModel) and DFlash2 (DFlash2DraftModel) drafts in z-lab's format"
 
 # Keys the reference looks up in dflash_config first, then at the top level.
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
-               "final_logit_softcapping"}
+               "final_logit_softcapping", draft_vocab.KEY}
 DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 # Top-level keys that shape the draft's layers (read by config.ArchConfig or below).
 SHAPE_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -65,6 +67,7 @@ class DraftFormat:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    draft_vocab_size: int | None = None  # K: the head scores only the draft's K target ids (draft_vocab.py)
 
     @property
     def extras(self) -> list[str]:
@@ -88,6 +91,7 @@ class DraftFormat:
         base = self.name if self.name == "dflash" else (
             f"dflash2 (top-{self.selector_top_k} selector, conv kernel {self.conv_kernel_size})")
         rest = [e for e in self.extras if not e.startswith("DFlash2")]
+        rest += [f"draft head {self.draft_vocab_size} rows"] if self.draft_vocab_size else []
         return "; ".join([base] + rest)
 
     def require_plain(self, backend: str) -> None:
@@ -123,7 +127,7 @@ def read_format(raw: dict, where: str) -> DraftFormat:
                        input_embedding_scale=float(lookup(raw, "input_embedding_scale", 1.0)),
                        output_multiplier=float(lookup(raw, "output_multiplier", 1.0)),
                        logit_softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
-                       **extra)
+                       draft_vocab_size=draft_vocab.declared_size(raw, where, raw.get("vocab_size")), **extra)
 
 
 def architecture(raw: dict, where: str) -> str:
@@ -193,6 +197,7 @@ def expected_tensors(fmt: DraftFormat, num_layers: int, qk_norm: bool, bias: boo
         CONV if fmt.name == "dflash2" else [])
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     names |= {f"layers.{i}.{p}" for i in range(num_layers) for p in per_layer}
+    names |= {draft_vocab.TENSOR} if fmt.draft_vocab_size else set()
     return names | (set(SELECTOR) if fmt.name == "dflash2" else set())
 
 
@@ -201,9 +206,11 @@ def check_tensors(tensors: dict, cfg, where) -> dict:
     cfg: a config.DraftConfig."""
     fmt, arch, num_layers = cfg.format, cfg.arch, cfg.arch.num_hidden_layers
     tensors = {RENAMED.get(k, k): v for k, v in tensors.items()}
+    # the reduced head's ids first: a draft_vocab without its config key is named as such, not as unknown
+    ids = draft_vocab.check_ids(tensors.get(draft_vocab.TENSOR), fmt.draft_vocab_size, arch.vocab_size, where)
     unknown = sorted(set(tensors) - expected_tensors(fmt, num_layers, arch.qk_norm, arch.attention_bias))
     if unknown:
         shown = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
         raise WeightsError(f"{where}: tensor(s) {shown} not used by a {fmt.name} draft of {num_layers} layers",
                            f"the checkpoint is of another architecture or newer format; {FIX_FORMAT}")
-    return tensors
+    return tensors if ids is None else tensors | {draft_vocab.TENSOR: ids}
