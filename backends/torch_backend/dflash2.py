@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.errors import ConfigError
@@ -37,14 +38,18 @@ def convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: 
     return out.view_as(x)
 
 
-class DynamicConv:
+class DynamicConv(nn.Module):
+    """One sublayer's convolution pair (its two base kernels and the projection of their dynamic parts),
+    the weights as registered buffers."""
+
     def __init__(self, tensors: dict, prefix: str, cfg: DraftConfig, where, device, dtype):
+        super().__init__()
         fmt, h = cfg.format, cfg.arch.hidden_size
         self.kernel, self.group = fmt.conv_kernel_size, fmt.conv_group_size
         groups = h // self.group
-        self.base = take(tensors, prefix + "base_kernel", (2, self.kernel, h), where).to(device, dtype)
+        self.register_buffer("base", take(tensors, prefix + "base_kernel", (2, self.kernel, h), where).to(device, dtype))
         proj = take(tensors, prefix + "kernel_projection.weight", (2 * self.kernel * groups, h), where)
-        self.projection = proj.to(device, dtype).t().contiguous()
+        self.register_buffer("projection", proj.to(device, dtype).t().contiguous())
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dynamic = linear(x, self.projection).view(*x.shape[:-1], 2, self.kernel, -1)
@@ -54,13 +59,14 @@ class DynamicConv:
         return convolve(x, dynamic, self.base[1], self.group)
 
 
-def layer_convs(tensors: dict, cfg: DraftConfig, where, device, dtype) -> list[tuple[DynamicConv, DynamicConv]]:
-    return [(DynamicConv(tensors, f"layers.{i}.attention_conv.", cfg, where, device, dtype),
-             DynamicConv(tensors, f"layers.{i}.mlp_conv.", cfg, where, device, dtype))
-            for i in range(cfg.arch.num_hidden_layers)]
+def layer_convs(tensors: dict, cfg: DraftConfig, where, device, dtype) -> nn.ModuleList:
+    """Per layer, (the attention's convolution, the MLP's): a ModuleList of pairs."""
+    return nn.ModuleList(nn.ModuleList([DynamicConv(tensors, f"layers.{i}.attention_conv.", cfg, where, device, dtype),
+                                        DynamicConv(tensors, f"layers.{i}.mlp_conv.", cfg, where, device, dtype)])
+                         for i in range(cfg.arch.num_hidden_layers))
 
 
-def conv_layer(layer: DecoderLayer, convs: tuple[DynamicConv, DynamicConv], h: torch.Tensor, cos, sin, write, mask):
+def conv_layer(layer: DecoderLayer, convs, h: torch.Tensor, cos, sin, write, mask):
     """One DFlash2 layer: the DFlash layer with each sublayer wrapped in its convolution.
     `write(k, v)` stores the block's K/V after the context and returns all keys and values."""
     attention_conv, mlp_conv = convs
@@ -72,19 +78,22 @@ def conv_layer(layer: DecoderLayer, convs: tuple[DynamicConv, DynamicConv], h: t
     return h + mlp_conv.finish(layer.mlp(x), kernel)
 
 
-class Selector:
+class Selector(nn.Module):
+    """The candidate selector's codebooks and projection, as registered buffers."""
+
     def __init__(self, tensors: dict, cfg: DraftConfig, where, device, dtype):
+        super().__init__()
         fmt, arch = cfg.format, cfg.arch
         if not 0 < fmt.selector_top_k <= arch.vocab_size:
             raise ConfigError(f"{where}: selector_top_k {fmt.selector_top_k} is not within the vocabulary "
                               f"(1..{arch.vocab_size})", "re-download the draft")
         self.top_k, rank = fmt.selector_top_k, fmt.selector_rank
         p = "candidate_selector."
-        self.predecessor = take(tensors, p + "predecessor_codebook.weight", (arch.vocab_size, rank), where)
-        self.successor = take(tensors, p + "successor_codebook.weight", (arch.vocab_size, rank), where)
-        self.projection = take(tensors, p + "hidden_projection.weight", (rank, arch.hidden_size), where)
-        self.predecessor, self.successor = self.predecessor.to(device, dtype), self.successor.to(device, dtype)
-        self.projection = self.projection.to(device, dtype).t().contiguous()
+        for name, key, shape in (("predecessor", "predecessor_codebook", (arch.vocab_size, rank)),
+                                 ("successor", "successor_codebook", (arch.vocab_size, rank))):
+            self.register_buffer(name, take(tensors, p + key + ".weight", shape, where).to(device, dtype))
+        projection = take(tensors, p + "hidden_projection.weight", (rank, arch.hidden_size), where)
+        self.register_buffer("projection", projection.to(device, dtype).t().contiguous())
 
     def block(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int) -> SelectorBlock:
         """hidden [n, H] (the draft's final normed states), logits [n, vocab] -> the block, walked on demand."""

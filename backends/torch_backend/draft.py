@@ -46,7 +46,8 @@ class TorchDraft(CacheOwner, DraftBackend):
         plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
         plan.note_gemm_off()
         multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
-        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply)
+        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply,
+                                    kv=True)
                        for i in range(arch.num_hidden_layers)]
         # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
         self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype)) \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.models.config import ArchConfig
@@ -137,41 +138,47 @@ class CacheOwner:
             torch.mps.synchronize()
 
 
-class DecoderLayer:
-    """One pre-norm decoder layer with fused weights (no nn.Module: inference only). The w* tensors are
-    the weights as [in, out] matrices (for other consumers: the ANE compiler, floors); the mm_* are what
-    the forward multiplies by (see `multiplier`)."""
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer with fused weights, as an nn.Module: its weights are registered buffers,
+    the [in, out] matrices (wqkv, bqkv, wo, w_gate_up, w_down: also read by the ANE compiler and the floors)
+    and the norms; the mm_* are what the forward multiplies by, chosen by the owner's weight plan while
+    the layer is built and never replaced (see `multiplier`). The same module serves the target, the
+    draft (inference and, built over its trained parameters, training) and data generation."""
 
-    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], multiply=None, *, pack: bool = False):
+    def __init__(self, cfg: ArchConfig, w: dict[str, torch.Tensor], multiply=None, *, pack: bool = False,
+                 kv: bool = False):
         """multiply(name, weight_t): what the forward multiplies by ('mm_qkv', 'mm_o', 'mm_gate_up',
         'mm_down', 'mm_kv'), chosen by the owner's weight plan; None: the [in, out] matrices as they are
         (training: differentiable, no packed copies of weights that change every step), or with pack=True
-        (the older signature) packed as `multiplier` does."""
+        (the older signature) packed as `multiplier` does. kv=True: also mm_kv, the k|v columns alone
+        (a draft's context features; a target never needs them)."""
+        super().__init__()
         if multiply is None and pack:
             multiply = lambda name, weight_t: multiplier(weight_t)  # noqa: E731
-        self.cfg, self.multiply = cfg, multiply or (lambda name, weight_t: weight_t)
+        multiply = multiply or (lambda name, weight_t: weight_t)
+        self.cfg = cfg
         self.nq = cfg.num_attention_heads * cfg.head_dim
         self.nkv = cfg.num_key_value_heads * cfg.head_dim
-        self.wqkv = orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
-        self.wkv = self.wqkv[:, self.nq:]  # k|v only, for the draft's context features
-        self.bqkv = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None
-        self.bkv = None if self.bqkv is None else self.bqkv[self.nq:]
-        self.wo = orient(w["o_proj"])
-        self.w_gate_up = orient(torch.cat([w["gate_proj"], w["up_proj"]]))
-        self.w_down = orient(w["down_proj"])
-        self.in_norm, self.post_norm = w["input_layernorm"], w["post_attention_layernorm"]
-        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
-        self.mm_qkv, self.mm_o = self.multiply("mm_qkv", self.wqkv), self.multiply("mm_o", self.wo)
-        self.mm_gate_up = self.multiply("mm_gate_up", self.w_gate_up)
-        self.mm_down = self.multiply("mm_down", self.w_down)
-        self._mm_kv = None
+        weights = {"wqkv": orient(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])),
+                   "bqkv": torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None,
+                   "wo": orient(w["o_proj"]), "w_gate_up": orient(torch.cat([w["gate_proj"], w["up_proj"]])),
+                   "w_down": orient(w["down_proj"]), "in_norm": w["input_layernorm"],
+                   "post_norm": w["post_attention_layernorm"], "q_norm": w.get("q_norm"), "k_norm": w.get("k_norm")}
+        for name, t in weights.items():
+            self.register_buffer(name, t)
+        # plain attributes (not buffers): set once here, read on every step without nn.Module's lookup
+        self.mm_qkv, self.mm_o = multiply("mm_qkv", self.wqkv), multiply("mm_o", self.wo)
+        self.mm_gate_up, self.mm_down = multiply("mm_gate_up", self.w_gate_up), multiply("mm_down", self.w_down)
+        self.mm_kv = multiply("mm_kv", self.wkv) if kv else None
 
     @property
-    def mm_kv(self):
-        """k|v only (the draft's context features): packed on first use, the target never needs it."""
-        if self._mm_kv is None:
-            self._mm_kv = self.multiply("mm_kv", self.wkv)
-        return self._mm_kv
+    def wkv(self) -> torch.Tensor:
+        """The k|v columns of wqkv (a view): what the draft's context features are multiplied by."""
+        return self.wqkv[:, self.nq:]
+
+    @property
+    def bkv(self) -> torch.Tensor | None:
+        return None if self.bqkv is None else self.bqkv[self.nq:]
 
     def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)

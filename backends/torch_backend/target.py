@@ -1,4 +1,5 @@
-"""The frozen target on torch: one forward per prefill or verify, hidden states captured on the way."""
+"""The frozen target on torch: the decoder as one nn.Module (TargetModel) and the backend seam around it
+(TorchTarget: the KV cache, one forward per prefill or verify, hidden states captured on the way)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
@@ -22,32 +24,93 @@ from .layers import CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_wei
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, plan_target
 
 
+class TargetModel(nn.Module):
+    """The target decoder as an nn.Module: embedding, layers, final norm and head as registered buffers (the
+    target is frozen), the multipliers and the layer's ops strategy (torch ops or fused C++ ops) chosen by
+    the weight plan while it is built. `forward` is the one forward of the target: the runtime's TorchTarget
+    (prefill, verify, decode over its KV cache), the cost probe, and batched data generation
+    (train/batched.py: slots over one cache, through its own ops strategy) all run it."""
+
+    def __init__(self, cfg: ArchConfig, tensors: dict, where, device: str, dtype: torch.dtype, plan: WeightPlan):
+        super().__init__()
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.config, self.plan = cfg, plan
+        embed = take(tensors, "model.embed_tokens.weight", (v, h), where).to(device, dtype)
+        head = embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
+        self.register_buffer("embed", embed)
+        self.register_buffer("lm_head", orient(head.to(device, dtype)))  # [hidden, vocab] as layers.linear takes it
+        self.register_buffer("norm", take(tensors, "model.norm.weight", (h,), where).to(device, dtype))
+        self.mm_head = plan.matrix("mm_head", self.lm_head)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype),
+                         lambda name, weight_t, i=i: plan.matrix((i, name), weight_t))
+            for i in range(cfg.num_hidden_layers))
+        if plan.blocks:
+            made = [m for m in self.matrices() if getattr(m, "blocks", False)]
+            plan.notes.append(plan.blocks_note(made, sum(w.numel() for w in self.dense_matrices())))
+        # the layer's steps: torch ops, or the same steps as fused C++ ops (fused.py), as the plan says
+        self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if plan.fused else TorchOps(cfg.rms_norm_eps)
+
+    def matrices(self) -> list:
+        """What a decode step multiplies by: the head, then each layer's four matrices."""
+        return [self.mm_head] + [getattr(layer, a) for layer in self.layers for a in LAYER_MATRICES]
+
+    def dense_matrices(self) -> list[torch.Tensor]:
+        return [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+    def forward(self, ids: torch.Tensor, cache, start: int, cos, sin, mask, capture: Sequence[int] = (),
+                ops=None) -> tuple:
+        """Token ids [rows, T] at positions start.. (cos/sin, mask: theirs) through the layers and the final
+        norm, the layers' K/V going into `cache` through the ops strategy (default: the plan's; data
+        generation passes its own for slot caches): (the normed last hidden states [rows, T, H], the hidden
+        states of the layers in `capture`, in layer order)."""
+        ops, layers, captured = ops or self.ops, self.layers, []
+        h = F.embedding(ids, self.embed)
+        x = ops.norm(h, layers[0].in_norm)
+        for i, layer in enumerate(layers):
+            h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), layer.post_norm)
+            # the next layer's input norm, or the final norm after the last layer
+            h, x = ops.add_norm(h, ops.mlp(layer, x), layers[i + 1].in_norm if i + 1 < len(layers) else self.norm)
+            if i in capture:
+                captured.append(h)
+        return x, captured
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [..., H] -> float32 logits [..., vocab], through the plan's head."""
+        return linear(normed, self.mm_head).float()
+
+
+def build_target(cfg: ArchConfig, tensors: dict, where, device: str, dtype: torch.dtype,
+                 plan: WeightPlan) -> TargetModel:
+    """The target module on the plan; GGUF blocks that do not stand for these weights: none of them, said."""
+    try:
+        return TargetModel(cfg, tensors, where, device, dtype, plan)
+    except BlocksRefused as e:
+        return TargetModel(cfg, tensors, where, device, dtype, plan.without_blocks(str(e)))
+
+
 class TorchTarget(CacheOwner, TargetBackend):
+    """The backend seam's target on torch: the TargetModel, its KV cache and RoPE tables, one forward per
+    prefill or verify with the draft's features captured on the way."""
+
     def __init__(self, cfg: ArchConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  layer_ids: Sequence[int] = (), max_context: int | None = None, activations: str = "float32",
                  policy: LoadPolicy = DEFAULT, flags: frozenset[str] | None = None):
         self.config, self.device, self.dtype = cfg, device, dtype
         self.numerics = activations if activations != "float32" else dtype_name(dtype)  # e.g. "int8"
         self.layer_ids = list(layer_ids)
+        self.capture = frozenset(self.layer_ids)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        h, v = cfg.hidden_size, cfg.vocab_size
-        self.embed = take(tensors, "model.embed_tokens.weight", (v, h), where).to(device, dtype)
-        head = self.embed if cfg.tie_word_embeddings else take(tensors, "lm_head.weight", (v, h), where)
-        self.lm_head = orient(head.to(device, dtype))  # [hidden, vocab] as layers.linear takes it
-        self.norm = take(tensors, "model.norm.weight", (h,), where).to(device, dtype)
-        layer_tensors = [layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype)
-                         for i in range(cfg.num_hidden_layers)]
         # Every matrix's format decided here, once (plan.py): dense, packed, GGUF blocks, int8 rows
         plan = plan_target(cfg, converted_from(where), device, dtype, activations, policy,
                            cpu_flags() if flags is None else flags)
-        try:
-            self.build(plan, layer_tensors)
-        except BlocksRefused as e:  # blocks that do not stand for these weights: none of them, and say so
-            self.build(plan.without_blocks(str(e)), layer_tensors)
+        self.model = build_target(cfg, tensors, where, device, dtype, plan)
+        self.plan = self.model.plan  # (without the GGUF blocks if they were refused)
+        # what the rest of the runtime reads (the draft shares embed and head; floors read the layers)
+        self.embed, self.lm_head, self.norm = self.model.embed, self.model.lm_head, self.model.norm
+        self.layers, self.mm_head, self.ops = self.model.layers, self.model.mm_head, self.model.ops
         self.notes: list[str] = self.plan.notes  # announced by the runtime (e.g. a kernel that did not build)
         self.weight_format, self.fused = self.plan.weights, self.plan.fused
-        # one forward (forward_layers) over either strategy for the layer's steps: torch ops or fused C++ ops
-        self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if self.fused else TorchOps(cfg.rms_norm_eps)
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
@@ -56,23 +119,8 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None
 
-    def build(self, plan: WeightPlan, layer_tensors: list[dict]) -> None:
-        """The layers and the head with the multipliers the plan gives them."""
-        self.plan = plan
-        self.mm_head = plan.matrix("mm_head", self.lm_head)
-        self.layers = [DecoderLayer(self.config, w, lambda name, weight_t, i=i: plan.matrix((i, name), weight_t))
-                       for i, w in enumerate(layer_tensors)]
-        if plan.blocks:
-            made = [m for m in self.matrices() if getattr(m, "blocks", False)]
-            numel = sum(w.numel() for w in self.dense_matrices())
-            plan.notes.append(plan.blocks_note(made, numel))
-
     def matrices(self) -> list:
-        """What a decode step multiplies by: the head, then each layer's four matrices."""
-        return [self.mm_head] + [getattr(layer, a) for layer in self.layers for a in LAYER_MATRICES]
-
-    def dense_matrices(self) -> list[torch.Tensor]:
-        return [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        return self.model.matrices()
 
     def head_for(self, device: str, dtype: torch.dtype, int8: bool = True) -> tuple[object | None, str | None]:
         """What a draft on (device, dtype) multiplies by this target's head, and a note: the plan's int8-row
@@ -112,26 +160,13 @@ class TorchTarget(CacheOwner, TargetBackend):
                 f"{start + count} positions exceed the target's context of {self.max_context}",
                 "shorten the prompt or lower max_new_tokens")
         self.cache.reserve(start + count)
-        h = F.embedding(torch.tensor([list(token_ids)], device=self.device), self.embed)
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else self.causal_mask(start, count)
-        normed, captured = self.forward_layers(h, start, cos, sin, mask, features)
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        normed, captured = self.model(ids, self.cache, start, cos, sin, mask, self.capture if features else ())
         normed = normed[0, -1:] if last_only else normed[0]
         self.cache.length = start + count
-        return TargetOutput(linear(normed, self.mm_head).float(), self.gather(captured) if features else None)
-
-    def forward_layers(self, h, start: int, cos, sin, mask, features: bool) -> tuple:
-        """The decoder layers on embedded tokens h [1, T, H] at positions start.., through the plan's ops:
-        (the final norm of the last hidden state [1, T, H], the hidden states captured at the feature layers)."""
-        ops, layers, captured = self.ops, self.layers, []
-        x = ops.norm(h, layers[0].in_norm)
-        for i, layer in enumerate(layers):
-            h, x = ops.add_norm(h, ops.attention(layer, x, self.cache, i, start, cos, sin, mask), layer.post_norm)
-            # the next layer's input norm, or the final norm after the last layer
-            h, x = ops.add_norm(h, ops.mlp(layer, x), layers[i + 1].in_norm if i + 1 < len(layers) else self.norm)
-            if features and i in self.layer_ids:
-                captured.append(h)
-        return x, captured
+        return TargetOutput(self.model.logits(normed), self.gather(captured) if features else None)
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.layer_ids:

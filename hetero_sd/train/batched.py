@@ -6,8 +6,9 @@ slots over one KV cache [slots, kv_heads, positions, head_dim] per layer, each s
 position: a row that reaches EOS leaves at once and the next prompt is prefilled into its slot, so
 every decode step does useful work for nearly every slot.
 
-The layers are the torch backend's (backends/torch_backend/layers.py: DecoderLayer, RMSNorm, RoPE),
-unpacked (plain [in, out] matrices, the fast layout for batched rows); only the batching is written here:
+The forward is the target's own (backends/torch_backend/target.py: TargetModel, the module the runtime
+runs), on a plan without packed copies, GGUF blocks or fused ops (plain [in, out] matrices: the fast layout
+for batched rows); only the batching is written here, as the model's ops strategy for the layer's attention:
 slots over one cache, and attention for one query per row. Greedy answers equal the runtime's own greedy
 decoding up to float rounding of batched matmuls."""
 
@@ -18,11 +19,16 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from hetero_sd.backends.torch_backend.layers import DecoderLayer, inv_frequencies, layer_weights, linear, rms_norm
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.backends.torch_backend.layers import DecoderLayer, Rope, TorchOps, linear
+from hetero_sd.backends.torch_backend.plan import plan_target
+from hetero_sd.backends.torch_backend.target import build_target
 from hetero_sd.models.config import ArchConfig, read_json
-from hetero_sd.models.weights import load_weights, take
+from hetero_sd.models.weights import load_weights
+
+# dense matrices and torch's ops: the plan for many rows at once (packing and blocks serve 1-64 rows)
+PLAIN = LoadPolicy(quant=False, fused=False, gemm=False, origin="batched data generation")
 
 
 @dataclass
@@ -39,31 +45,19 @@ class BatchedGenerator:
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
                  stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32):
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
-        t = load_weights(folder)
         self.cfg, self.slots, self.max_new = cfg, slots, max_new_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
-        h, v = cfg.hidden_size, cfg.vocab_size
         self.dtype = dtype
-        self.embed = take(t, "model.embed_tokens.weight", (v, h), folder).to(dtype)
-        head = self.embed if cfg.tie_word_embeddings else take(t, "lm_head.weight", (v, h), folder).to(dtype)
-        self.lm_head = head.t().contiguous()
-        self.norm = take(t, "model.norm.weight", (h,), folder).to(dtype)
-        self.layers = [DecoderLayer(cfg, layer_weights(t, f"model.layers.{i}.", cfg, folder, "cpu", dtype), pack=False)
-                       for i in range(cfg.num_hidden_layers)]
+        plan = plan_target(cfg, None, "cpu", dtype, "float32", PLAIN, frozenset())
+        self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, plan)
         self.positions = max_prompt_tokens + max_new_tokens
-        inv_freq, factor = inv_frequencies(cfg)
-        ang = torch.outer(torch.arange(self.positions, dtype=torch.float32), inv_freq)
-        ang = torch.cat([ang, ang], -1)
-        self.cos, self.sin = (ang.cos() * factor).to(dtype), (ang.sin() * factor).to(dtype)
+        self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
 
-    # -- the forward pass ---------------------------------------------------------------------------
+    # -- the forward pass: the target module's, with the slots' attention -----------------------------
 
     def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in self.layers]
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.lm_head).float()
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(self.cfg.num_hidden_layers)]
 
     @torch.inference_mode()
     def prefill(self, cache, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
@@ -73,41 +67,22 @@ class BatchedGenerator:
         padded K/V rows are overwritten by the row's own later tokens and masked until then."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-        h = F.embedding(ids, self.embed)
-        cos, sin = self.cos[:width], self.sin[:width]
         mask = torch.ones(width, width, dtype=torch.bool).tril()
-        for layer, (kc, vc) in zip(self.layers, cache):
-            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, self.cfg.rms_norm_eps), cos, sin)
-            kc[slots, :, :width], vc[slots, :, :width] = k, v
-            h = layer.attend(h, q, k, v, mask)
+        normed, _ = self.model(ids, cache, 0, self.cos[:width], self.sin[:width], mask,
+                               ops=PrefillSlots(self.cfg.rms_norm_eps, slots))
         last = torch.tensor([len(p) - 1 for p in prompts])
-        return self.logits(h[torch.arange(len(prompts)), last]).argmax(-1)
+        return self.model.logits(normed[torch.arange(len(prompts)), last]).argmax(-1)
 
     @torch.inference_mode()
     def decode(self, cache, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One token per cache row, each at its own position: greedy next tokens [rows]."""
-        rows, span = tokens.shape[0], int(pos.max()) + 1
-        h = F.embedding(tokens[:, None], self.embed)
+        span = int(pos.max()) + 1
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None]  # [rows, 1, 1, span]
-        index = torch.arange(rows)
         bias = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
-        for layer, (kc, vc) in zip(self.layers, cache):
-            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, self.cfg.rms_norm_eps), cos, sin)
-            kc[index, :, pos], vc[index, :, pos] = k[:, :, 0], v[:, :, 0]
-            h = self.finish_decode(layer, h, q, kc[:, :, :span], vc[:, :, :span], bias)
-        return self.logits(h[:, 0]).argmax(-1)
-
-    def finish_decode(self, layer: DecoderLayer, h, q, keys, values, bias):
-        """DecoderLayer.attend for one query per row, attention written out: the query heads that share a K/V
-        head go in one matmul, so K/V are read once and never repeated per head. Measured with 48 rows
-        and spans up to 600: 2.6 ms per layer against 3.2 ms for the CPU's SDPA kernel."""
-        rows, kv = keys.shape[0], keys.shape[1]
-        qg = q.reshape(rows, kv, -1, self.cfg.head_dim)  # [rows, kv, group, hd]: heads are kv-major
-        scores = (qg @ keys.transpose(2, 3)) * self.cfg.head_dim ** -0.5 + bias
-        o = (scores.float().softmax(-1).to(values.dtype) @ values).reshape(rows, 1, layer.nq)
-        h = h + linear(o, layer.mm_o)
-        return h + layer.mlp(rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps))
+        normed, _ = self.model(tokens[:, None], cache, 0, cos, sin, bias,
+                               ops=DecodeSlots(self.cfg.rms_norm_eps, pos, span))
+        return self.model.logits(normed[:, 0]).argmax(-1)
 
     # -- scheduling ---------------------------------------------------------------------------------
 
@@ -162,6 +137,44 @@ class BatchedGenerator:
                 out = rows.out[s]
                 yield Answer(rows.keys[s], rows.prompt[s], out, out[-1] in self.stop)
                 rows.clear(s)
+
+
+class PrefillSlots(TorchOps):
+    """The layer's attention for prompts right-padded into the cache rows `slots`: each row attends to its
+    own prompt (causal `mask`); its K/V go into its slot from position 0."""
+
+    def __init__(self, eps: float, slots: torch.Tensor):
+        super().__init__(eps)
+        self.slots = slots
+
+    def attention(self, layer: DecoderLayer, x, cache, i: int, start: int, cos, sin, mask):
+        q, k, v = layer.project_qkv(x, cos, sin)
+        kc, vc = cache[i]
+        kc[self.slots, :, :k.shape[2]], vc[self.slots, :, :k.shape[2]] = k, v
+        return layer.attention(q, k, v, mask)
+
+
+class DecodeSlots(TorchOps):
+    """The layer's attention for one query per cache row, each at its own position `pos`, over the keys up
+    to `span`; `mask` is the additive bias hiding each row's keys past its position. Written out instead
+    of SDPA: the query heads that share a K/V head go in one matmul, so K/V are read once and never
+    repeated per head. Measured with 48 rows and spans up to 600: 2.6 ms per layer against 3.2 ms for
+    the CPU's SDPA kernel."""
+
+    def __init__(self, eps: float, pos: torch.Tensor, span: int):
+        super().__init__(eps)
+        self.pos, self.span, self.index = pos, span, torch.arange(pos.shape[0])
+
+    def attention(self, layer: DecoderLayer, x, cache, i: int, start: int, cos, sin, mask):
+        q, k, v = layer.project_qkv(x, cos, sin)
+        kc, vc = cache[i]
+        kc[self.index, :, self.pos], vc[self.index, :, self.pos] = k[:, :, 0], v[:, :, 0]
+        keys, values = kc[:, :, :self.span], vc[:, :, :self.span]
+        rows, kv, hd = keys.shape[0], keys.shape[1], layer.cfg.head_dim
+        qg = q.reshape(rows, kv, -1, hd)  # [rows, kv, group, hd]: heads are kv-major
+        scores = (qg @ keys.transpose(2, 3)) * hd ** -0.5 + mask
+        o = (scores.float().softmax(-1).to(values.dtype) @ values).reshape(rows, 1, layer.nq)
+        return linear(o, layer.mm_o)
 
 
 class Rows:
