@@ -34,3 +34,23 @@ def test_module_is_the_checkpoint_and_its_forward_the_inference_draft(tmp_path, 
     other = DraftModule(DraftConfig.from_dict(raw), random_draft_tensors(raw, std=0.2), target.embed, target.lm_head.t())
     other.load_state_dict(state)
     assert torch.equal(other(features, ids, anchor + torch.arange(block), mask), hidden.detach())
+
+
+def test_the_trainer_is_the_draft_module_and_keeps_the_checkpoint_order(tiny_llama):
+    """train/model.py's TrainingDraft is a DraftModule (torch's parameters/state_dict/optimiser), its tensors
+    in the order checkpoints were written before it was one (fc, hidden_norm, layers..., norm): an older
+    checkpoint's AdamW state, matched to parameters by index, resumes onto the same tensors."""
+    from hetero_sd.train.model import TrainingDraft
+
+    tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
+    raw = draft_config(tcfg, num_layers=2, block_size=5, mask_token_id=3, layer_ids=[0, 1])
+    target = load_target(tiny_llama, tcfg, "cpu", torch.float32, [0, 1])
+    model = TrainingDraft(raw, target.embed, target.lm_head.t())
+    assert isinstance(model, DraftModule)
+    names = [n for n in random_draft_tensors(raw) if n != "norm.weight"] + ["norm.weight"]
+    assert [n for n, _ in model.named_parameters()] == names == list(model.state_dict())
+    optim = torch.optim.AdamW(model.parameters())
+    model.logits(model(torch.randn(20, 128), torch.randint(0, 64, (20,)), torch.tensor([4, 11]))).sum().backward()
+    optim.step()
+    state = optim.state_dict()["state"]
+    assert [state[i]["exp_avg"].shape for i in range(len(names))] == [p.shape for p in model.parameters()]

@@ -16,7 +16,7 @@ log-sum-exp merge of the two partial attentions, written as one softmax so autog
 
 Everything else is the draft layer as inference computes it: fc + hidden_norm on the context features,
 q/k norms, RoPE at the block's true positions, SwiGLU, pre-norm residuals, the final norm. The weights are
-read from the trainer's tensors under their z-lab names, so what trains is what `write_draft` saves and
+read from the trainer's parameters under their z-lab names, so what trains is what `write_draft` saves and
 `load_draft` runs; tests/test_train.py checks this forward against the runtime's `propose`, block by block.
 Only the plain DFlash format (bidirectional block attention, no embedding scale) is computed here; the
 trainer uses `TorchDraft.denoise` for anything else and says so."""
@@ -47,9 +47,10 @@ class SplitForward:
         self.arch, self.eps = arch, arch.rms_norm_eps
         self.nh, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         self.rope = Rope(arch, model.device, torch.float32)
+        self.names = {name for name, _ in model.named_parameters()}
 
     def w(self, name: str) -> torch.Tensor:
-        return self.model.tensors[name]
+        return self.model.get_parameter(name)
 
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         m, b = self.model, self.model.block_size
@@ -74,7 +75,7 @@ class SplitForward:
 
     def qk_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         key = f"{name}.weight"
-        return rms_norm(x, self.model.tensors[key], self.eps) if key in self.model.tensors else x
+        return rms_norm(x, self.w(key), self.eps) if key in self.names else x
 
     def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors):
         p = f"layers.{i}."

@@ -1,8 +1,9 @@
-"""What training adds to the torch backend's draft (backends/torch_backend/draft.py, the one
-definition used for inference too): the draft's tensors as trainable leaves under their z-lab names
-(fc, hidden_norm, layers.i.*, norm: the state_dict is the saved checkpoint), every block of a sequence in
-one forward (`block_mask`), and the reduced vocabulary of the loss (`TrainingVocab`). The target's
-embedding and lm_head are used frozen and never saved.
+"""What training adds to the torch backend's draft module (backends/torch_backend/module.py: DraftModule,
+an nn.Module whose parameters are the draft's tensors under their z-lab names, so parameters(),
+state_dict() (the saved checkpoint), load_state_dict() and the optimiser are torch's own; its forward is
+the one draft definition used for inference too): every block of a sequence in one forward
+(`block_mask`), and the reduced vocabulary of the loss (`TrainingVocab`). The target's embedding and
+lm_head are used frozen and never saved.
 
 Training puts every block of a sequence into one forward: block j, anchored at position a_j, attends to
 the context features strictly before a_j and to its own block (bidirectionally), never to other blocks.
@@ -10,54 +11,31 @@ With one block this is exactly the inference forward (TorchDraft.denoise against
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from hetero_sd.backends.torch_backend import TorchDraft
+from hetero_sd.backends.torch_backend import DraftModule
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.draft_init import random_draft_tensors
 
 
-class TrainingDraft:
-    """The draft's tensors under training; each forward runs the torch backend's TorchDraft over them."""
+class TrainingDraft(DraftModule):
+    """The draft under training: a DraftModule started from HF's Qwen3 initialisation (train() then starts
+    it from the target's layers or an earlier draft), whose forward takes a sequence and its anchors."""
 
     def __init__(self, raw: dict, embed: torch.Tensor, lm_head: torch.Tensor):
         """raw: the draft's config.json (dict); embed [V, H] and lm_head [V, H]: the target's, frozen; the
         draft trains on their device."""
-        self.raw, self.cfg = raw, DraftConfig.from_dict(raw)
-        self.block_size, self.mask_token_id = self.cfg.block_size, self.cfg.mask_token_id
-        self.embed, self.lm_head = embed.detach(), lm_head.detach()
-        self.device = self.embed.device
-        initial = random_draft_tensors(raw)  # HF's Qwen3 initialisation; train() starts from the target's
-        names = [n for n in initial if n != "norm.weight"] + ["norm.weight"]  # the checkpoint's order
-        self.tensors = {n: initial[n].float().to(self.device).requires_grad_() for n in names}
+        initial = random_draft_tensors(raw)
+        order = [n for n in initial if n != "norm.weight"] + ["norm.weight"]  # the checkpoint's order
+        super().__init__(DraftConfig.from_dict(raw), {n: initial[n] for n in order}, embed, lm_head)
+        self.raw, self.block_size, self.mask_token_id = raw, self.cfg.block_size, self.cfg.mask_token_id
 
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self.tensors.values())
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach() for name, t in self.tensors.items()}
-
-    def load_state_dict(self, state: dict, strict: bool = True) -> SimpleNamespace:
-        missing = [n for n in self.tensors if n not in state]
-        unexpected = [n for n in state if n not in self.tensors]
-        if strict and (missing or unexpected):
-            raise KeyError(f"draft tensors missing {missing[:4]}, unexpected {unexpected[:4]}")
-        with torch.no_grad():
-            for name, t in state.items():
-                if name in self.tensors:
-                    self.tensors[name].copy_(t)
-        return SimpleNamespace(missing_keys=missing, unexpected_keys=unexpected)
-
-    def draft(self, features: torch.Tensor) -> TorchDraft:
-        """The backend's draft over the current tensors (unpacked, so gradients reach them)."""
-        return TorchDraft(self.cfg, self.tensors, "training", str(self.device), torch.float32, self.embed,
-                          self.lm_head.t(), features.shape[-1], self.mask_token_id, features.shape[0] + self.block_size,
-                          pack=False)
-
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                 starts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
         """features [S, L*H], tokens [S], anchors [n] (positions): hidden [n, B-1, H] for block positions
         1..B-1 (what the lm_head turns into draft logits). Several sequences packed end to end train in
         one forward: `starts` [n] gives the first position of each anchor's sequence, and a block sees
@@ -68,8 +46,8 @@ class TrainingDraft:
         block_ids = torch.full((n, b), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = tokens[anchors]
         positions = (anchors[:, None] + torch.arange(b, device=device)).flatten()
-        hidden = self.draft(features).denoise(features, block_ids.flatten(), positions,
-                                              block_mask(anchors, features.shape[0], b, starts))
+        hidden = super().forward(features, block_ids.flatten(), positions,
+                                 block_mask(anchors, features.shape[0], b, starts))
         return hidden.view(n, b, -1)[:, 1:]
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:

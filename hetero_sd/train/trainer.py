@@ -148,7 +148,7 @@ def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
 
 def init_from_target(model: TrainingDraft, target_tensors: dict, num_target_layers: int) -> None:
     """Draft layer i <- target layer N-L+i; fc picks the feature of the layer feeding them."""
-    h, w = model.cfg.arch.hidden_size, model.tensors
+    h, w = model.cfg.arch.hidden_size, dict(model.named_parameters())
     first = num_target_layers - model.cfg.arch.num_hidden_layers
     with torch.no_grad():
         w["fc.weight"].zero_()
