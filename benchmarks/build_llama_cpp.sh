@@ -35,7 +35,9 @@ command -v cmake >/dev/null || { echo "cmake not found: apt-get install -y cmake
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 echo "downloading llama-cpp-python==$VERSION sdist into $WORK"
-"$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK" >/dev/null
+# --no-binary for this package only: with :all: pip builds every build dependency from source to read the
+# sdist's metadata (hatchling, scikit-build-core, ...), which took over 10 minutes on a shared 2-core VM
+"$PYTHON" -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$WORK" >/dev/null
 tar xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [[ -f "$SRC/src/models/dflash.cpp" ]] || { echo "this llama.cpp has no DFlash (src/models/dflash.cpp)" >&2; exit 3; }

@@ -72,6 +72,25 @@ def test_a_row_is_bitwise_the_same_in_any_block_and_on_either_isa(on_isa, isa, k
     assert torch.equal(quant8.Int8Blocks(kind, rows, None)(x[:9]), full[:9])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", [quant.Q4_1, quant.Q8_0])
+def test_prefill_rows_take_the_int8_kernel_with_the_decode_rows_bits(on_isa, isa, kind):
+    """Issue 26: a prompt longer than a verify block is multiplied by the int8 kernel too (llama.cpp quantizes
+    its prompt's rows as well), not by the float32 fallback, and each of its rows has a decode row's bits; the
+    AVX2 Q8_0 path takes 8 rows per tile, Q4_1 4: row counts around both (and odd tails) are covered."""
+    rows = random_rows(kind, 24, 576, seed=3)
+    on_isa(isa)
+    q = quant8.Int8Blocks(kind, rows, lambda x: pytest.fail("the float32 fallback was called"))
+    x = torch.randn(131, 576) * 3
+    full = q(x)
+    assert full.shape == (131, 24)
+    for r in range(0, 131, 5):
+        assert torch.equal(q(x[r:r + 1]), full[r:r + 1]), r
+    for m in (4, 5, 8, 9, 12, 65, 100):
+        assert torch.equal(q(x[:m]), full[:m]), m
+        assert torch.equal(q(x[m:2 * m]), full[m:2 * m]), m
+
+
 @pytest.mark.skipif(not {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags(), reason="no AMX-INT8 on this CPU")
 @pytest.mark.parametrize("kind,n,k", [(quant.Q4_1, 77, 576), (quant.Q8_0, 40, 1536)])
 def test_amx_tiles_give_bitwise_what_vnni_gives(monkeypatch, kind, n, k):

@@ -129,9 +129,12 @@ class WeightPlan:
     def blocks_note(self, made: list, numel: int) -> str:
         """made: the block multipliers; numel: their float32 weights' size."""
         total = numel
-        return (f"{quant.NOTE}: {self.weights}: decode and verify steps (1-{quant.MAX_ROWS} rows) multiply "
+        steps, prefill = f"decode and verify steps (1-{quant.MAX_ROWS} rows)", "; prefill uses the float32 copy"
+        if self.activations == INT8:  # (quant8.Int8Blocks takes any number of rows, as llama.cpp does)
+            steps, prefill = "decode, verify and prefill steps", ""
+        return (f"{quant.NOTE}: {self.weights}: {steps} multiply "
                 f"{len(made)} of the target's matrices by their GGUF blocks ({sum(m.nbytes for m in made) / 1e6:.0f} MB "
-                f"instead of {total * 4 / 1e6:.0f} MB of float32), {made[0].how}; prefill uses the float32 copy")
+                f"instead of {total * 4 / 1e6:.0f} MB of float32), {made[0].how}{prefill}")
 
 
 def plan_target(cfg, gguf, device: str, dtype: torch.dtype, activations: str, policy: LoadPolicy,

@@ -49,8 +49,8 @@ def extension():
 
 
 class Int8Blocks(Quantized):
-    """A weight [in, out] as GGUF blocks, multiplied with int8-quantized rows of x (1..MAX_ROWS rows;
-    longer inputs go to `fallback`, as for Quantized)."""
+    """A weight [in, out] as GGUF blocks, multiplied with int8-quantized rows of x (any number of rows: decode,
+    verify and prefill; `fallback`, the float32 weight, serves only other dtypes)."""
 
     def __init__(self, kind: str, rows, fallback, weight_t: torch.Tensor | None = None, isa_name: str | None = None,
                  amx: int | None = None):
@@ -65,6 +65,12 @@ class Int8Blocks(Quantized):
         self.amx_rows = amx_rows(self.amx_forced) if self.avx512 else 0
 
     suffix = " x int8 rows"
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Every number of rows, prefill included (llama.cpp quantizes its prompt's rows too, and on AVX2 the
+        int8 kernel at 256 rows is ~2x torch's float32 matmul of the dequantized weights:
+        benchmarks/results/int8_rows_avx2.json): the prompt's KV entries then have the decode rows' numerics."""
+        return x.dtype == torch.float32 and x.numel() >= self.k
 
     @property
     def how(self) -> str:

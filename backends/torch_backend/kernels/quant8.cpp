@@ -90,11 +90,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// AVX2 (vpmaddubsw + vpmaddwd). Q4_1: up to 4 rows per loaded tile, accumulators in registers. Q8_0 (the head,
+// the largest matrix): up to 8 rows, their float accumulators in memory (8 rows of int32 sums fill the
+// registers), 5-12% less time than 4 rows at 8-33 rows on an AVX2-only EPYC (benchmarks/results/int8_rows_avx2.json).
+// Tried and dropped for Q4_1: int16 pair sums added over the block's 4 groups before one vpmaddwd (2.25
+// instead of 3 multiplies per 64 products) and 8 rows: 0-15% SLOWER there (gcc spills the unpacked groups).
+// The epilogue is once per block and row, the same two fmadds in the same order whatever R: a row's bits do not
+// depend on the rows beside it.
 template <int R, bool Q41>
 __attribute__((target("avx2,fma,f16c"))) static void tile256(Rows x, const uint8_t* w, float* y, int64_t ldy) {
   constexpr int NB = 8, BB = (Q41 ? 20 : 34) * NB, HEAD = (Q41 ? 4 : 2) * NB;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  constexpr bool MEM = R > 4;  // accumulators in memory
+  alignas(32) float accm[MEM ? R : 1][NB];
+  __m256 acc[MEM ? 1 : R];
+  for (int r = 0; r < R; ++r) {
+    if (MEM) _mm256_store_ps(accm[r], _mm256_setzero_ps()); else acc[r] = _mm256_setzero_ps();
+  }
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < x.KB; ++b) {
     const uint8_t* blk = w + b * BB;
@@ -123,11 +134,13 @@ __attribute__((target("avx2,fma,f16c"))) static void tile256(Rows x, const uint8
     const __m256 m = Q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 2 * NB))) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       int64_t i = r * x.KB + b;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[i])), acc[r]);
-      if (Q41) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[i]), acc[r]);
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[i])),
+                                 MEM ? _mm256_load_ps(accm[r]) : acc[r]);
+      if (Q41) a = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[i]), a);
+      if (MEM) _mm256_store_ps(accm[r], a); else acc[r] = a;
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, MEM ? _mm256_load_ps(accm[r]) : acc[r]);
 }
 
 
@@ -214,7 +227,10 @@ template <bool Q41> static Tile pick(bool avx512, int r) {
   if (avx512) switch (r) { case 1: return tile512<1, Q41>; case 2: return tile512<2, Q41>; case 3: return tile512<3, Q41>;
                            case 4: return tile512<4, Q41>; case 5: return tile512<5, Q41>; case 6: return tile512<6, Q41>;
                            case 7: return tile512<7, Q41>; default: return tile512<8, Q41>; }
-  switch (r) { case 1: return tile256<1, Q41>; case 2: return tile256<2, Q41>; case 3: return tile256<3, Q41>; default: return tile256<4, Q41>; }
+  if (Q41 && r > 4) r = 4;  // (qgemm8 gives Q4_1 at most 4 rows here)
+  switch (r) { case 1: return tile256<1, Q41>; case 2: return tile256<2, Q41>; case 3: return tile256<3, Q41>;
+               case 4: return tile256<4, Q41>; case 5: return tile256<5, Q41>; case 6: return tile256<6, Q41>;
+               case 7: return tile256<7, Q41>; default: return tile256<8, Q41>; }
 }
 
 // x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
@@ -232,7 +248,7 @@ at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int
   quantize_rows(x.data_ptr<float>(), M, K, q.data(), dx.data(), ms.data(), sq.data(), avx512);
   auto y = at::empty({M, tiles * nb}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>(); float* yp = y.data_ptr<float>();
-  int64_t ldy = tiles * nb, rows_max = avx512 ? 8 : 4, stride = packed.size(1) * packed.size(2);
+  int64_t ldy = tiles * nb, rows_max = avx512 || !q41 ? 8 : 4, stride = packed.size(1) * packed.size(2);
   if (avx512 && amx_rows > 0 && M >= amx_rows && amx_ready()) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       (q41 ? tiles_amx<true> : tiles_amx<false>)(q.data(), dx.data(), ms.data(), sq.data(), M, K, wp, begin, end,
