@@ -19,6 +19,7 @@ class LoadPolicy:
     quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
     amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)
+    lane_threads: bool = False  # every backend call on its lane's thread, none inline (measures lanes.py's rule)
     origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")
 
     def why(self) -> str:

@@ -44,3 +44,22 @@ def test_the_plan_follows_the_policy_and_is_recorded(tiny_llama):
     ids = [5, 9, 12, 20, 7]
     assert full.generate(ids, max_new_tokens=12, speculative=False).token_ids == \
         bare.generate(ids, max_new_tokens=12, speculative=False).token_ids
+
+
+def test_only_the_cli_reads_switches_outside_the_backends_too():
+    """Decoding, training, the chat app...: no HETERO_SD_* switch read from the environment outside the CLI
+    (hetero_sd/home.py's HETERO_SD_HOME, where the models live, is the library's own setting, like HF_HOME)."""
+    root = BACKENDS.parent
+    for path in [p for d in ("hetero_sd", "tui", "ane_compiler") for p in (root / d).rglob("*.py")]:
+        if "cli" in path.relative_to(root).parts or path.name == "home.py":
+            continue
+        assert not re.search(r"(environ|getenv)[^\n]*HETERO_SD_", path.read_text()), path
+
+
+def test_lane_threads_are_a_policy_passed_down(tiny_llama):
+    assert policy_from_env({"HETERO_SD_LANE_THREADS": "1"}).lane_threads and not policy_from_env({}).lane_threads
+    inline = hetero_sd.load(str(tiny_llama), None)
+    threads = hetero_sd.load(str(tiny_llama), None, policy=LoadPolicy(lane_threads=True))
+    assert inline.target_lane.inline and not threads.target_lane.inline and not threads.draft_lane.inline
+    assert threads.generate([5, 6, 7], max_new_tokens=4).token_ids == inline.generate([5, 6, 7], max_new_tokens=4).token_ids
+    assert threads.target_lane.ran["thread"] > 0 and threads.target_lane.ran["inline"] == 0

@@ -17,7 +17,6 @@ their order."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,8 +36,8 @@ INLINE_DEVICES = ("cpu", "ane-sim")  # torch on this process's CPU: no device af
 class Lane:
     def __init__(self, name: str, device: str, inline: bool | None = None):
         self.name, self.device = name, device
-        if inline is None:  # HETERO_SD_LANE_THREADS=1: every job on the lane threads (to measure the rule)
-            inline = device in INLINE_DEVICES and os.environ.get("HETERO_SD_LANE_THREADS") != "1"
+        if inline is None:  # False: every job on the lane threads (LoadPolicy.lane_threads: to measure the rule)
+            inline = device in INLINE_DEVICES
         self.inline = inline
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
         self.busy = threading.Lock()  # one job at a time, in the lane's thread or a caller's
