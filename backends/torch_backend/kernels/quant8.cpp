@@ -92,7 +92,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
 
 // AVX2 (vpmaddubsw + vpmaddwd). Q4_1: up to 4 rows per loaded tile, accumulators in registers. Q8_0 (the head,
 // the largest matrix): up to 8 rows, their float accumulators in memory (8 rows of int32 sums fill the
-// registers), 5-12% less time than 4 rows at 8-33 rows on an AVX2-only EPYC (benchmarks/results/int8_rows_avx2.json).
+// registers): 5-14% less time than 4 rows at 8-33 rows on an 8192-column Q8_0 matrix in 2 of 3 interleaved runs
+// on a loaded AVX2-only EPYC, within that machine's noise on the 49152-column head
+// (benchmarks/results/quant8_ab_avx2.json): no robust gain, kept as bitwise the same.
 // Tried and dropped for Q4_1: int16 pair sums added over the block's 4 groups before one vpmaddwd (2.25
 // instead of 3 multiplies per 64 products) and 8 rows: 0-15% SLOWER there (gcc spills the unpacked groups).
 // The epilogue is once per block and row, the same two fmadds in the same order whatever R: a row's bits do not
