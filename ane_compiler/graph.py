@@ -127,7 +127,8 @@ class SafeDraftGraph(nn.Module):
         """All channels-first: block_embeddings [1, hidden, 1, B]; features [1, F, 1, W] already divided
         by their per-token max|x|; feature_eps [1, 1, 1, W] = eps / scale^2; RoPE tables [1, head_dim, 1,
         W or B]; ctx_bias [1, W, 1, 1] (0, or MASKED for unused window slots).
-        Returns logits [1, vocab, 1, B-1] and the final normed hidden states [1, hidden, 1, B-1]."""
+        Returns logits [1, vocab, 1, B-1] (a reduced draft head: [1, K, 1, B-1], its lm_head being those
+        rows; the host widens them to the vocabulary) and the final normed hidden states [1, hidden, 1, B-1]."""
         r, a = self.round, self.arch
         ctx = self.rms_norm(self.conv(features, self.w.fc), self.w.hidden_norm, feature_eps)
         bias = torch.cat([ctx_bias, torch.zeros(1, block_embeddings.shape[3], 1, 1, dtype=ctx_bias.dtype)], 1)

@@ -89,6 +89,10 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
 def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend, device: str, dtype, mask: int,
                   tensors: dict, notes: list[str], policy: LoadPolicy = DEFAULT) -> DraftBackend:
     """The draft on its device, paired with `target` (it shares the target's embedding and head)."""
+    if not policy.draft_vocab and "draft_vocab" in tensors:  # every backend then scores the whole head
+        tensors = {k: v for k, v in tensors.items() if k != "draft_vocab"}
+        notes.append(f"draft head: every row of the target's head (the draft's draft_vocab of "
+                     f"{dcfg.format.draft_vocab_size} is {policy.why()})")
     if device == "mlx":
         dcfg.format.require_plain("the MLX backend")
         from . import mlx_backend

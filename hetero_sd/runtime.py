@@ -481,13 +481,21 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
         return rt
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
-                                f"{backend_dtype(t)}/{info['draft_dtype']}", d.block_size, code_id(t, d))
+                                f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
+                                code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
                  lane_threads=(policy or DEFAULT).lane_threads)
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
     return rt
+
+
+def head_key(info: dict) -> str:
+    """A reduced draft head costs less than the full one (and HETERO_SD_DRAFT_VOCAB=off runs the full one
+    from the same folder): part of the cost key. Empty for a full head, so those keys stay as they were."""
+    rows, _, vocab = (info.get("draft_head") or "").partition(" of ")
+    return f"/head {rows}" if rows and vocab != f"{rows} rows" else ""
 
 
 def oversubscription(target_device: str, draft_device: str) -> list[str]:

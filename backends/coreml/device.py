@@ -38,4 +38,4 @@ class CoreMLDraft(WindowedDraft):
         out = self.model.predict({k: v.numpy().astype(np.float32) for k, v in x.items()})
         as_rows = lambda name: sequence_first(torch.from_numpy(np.asarray(out[name], dtype=np.float32)))[:size - 1]
         self.last_hidden = as_rows("hidden")
-        return as_rows("logits")
+        return self.full_logits(as_rows("logits"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hetero_sd.ane_compiler.graph import MASKED, channels_first
+from hetero_sd.models import draft_vocab
 
 from ..base import DraftBackend
 
@@ -24,6 +25,8 @@ class WindowedDraft(DraftBackend):
         self.embed, self.rope, self.window = w.embed.float(), w.rope, window
         self.block_size, self.mask_token_id = reference.block_size, reference.mask_token_id
         self.eps = w.config.rms_norm_eps
+        # a reduced draft head: the graph scores the K ids (its lm_head is those rows); the host widens them
+        self.vocab_ids, self.vocab_size = w.draft_vocab, w.embed.shape[0]
         self.features = torch.zeros(0, w.fc.shape[0])
         self.last_hidden: torch.Tensor | None = None
 
@@ -41,6 +44,10 @@ class WindowedDraft(DraftBackend):
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__, features=self.features[:0], last_hidden=None)
         return twin
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The graph's logits [n, K or vocab] -> [n, vocab] (draft_vocab.FLOOR outside a reduced head's ids)."""
+        return logits if self.vocab_ids is None else draft_vocab.expand(logits, self.vocab_ids, self.vocab_size)
 
     def inputs(self, anchor: int, position: int | None, size: int) -> dict[str, torch.Tensor]:
         start = self.context_length if position is None else position

@@ -26,4 +26,4 @@ class AneSimDraft(WindowedDraft):
         r = self.graph.round  # inputs enter the graph in its number format
         logits, hidden = self.graph(*(r(v) if k != "feature_eps" else v for k, v in x.items()))
         self.last_hidden = sequence_first(hidden)
-        return sequence_first(logits)
+        return self.full_logits(sequence_first(logits))

@@ -20,7 +20,8 @@ def load_target(folder: Path, cfg: ArchConfig, layer_ids=(), max_context: int | 
 
 def load_draft(folder: Path | None, cfg: DraftConfig, target, mask_token_id: int, tensors: dict) -> MLXDraft:
     """The draft shares the target's embedding and lm_head (copied from torch when the target is not MLX).
-    Plain DFlash only: DFlash2 and per-layer masks are refused by name."""
+    Plain DFlash only: DFlash2 and per-layer masks are refused by name. A reduced draft vocabulary is applied."""
     cfg.format.require_plain("the MLX backend")
     feature_size = len(target.layer_ids) * target.config.hidden_size
-    return MLXDraft(cfg, tensors, folder, target.embed, target.lm_head, feature_size, mask_token_id)
+    return MLXDraft(cfg, tensors, folder, target.embed, target.lm_head, feature_size, mask_token_id,
+                    vocab_ids=tensors.get("draft_vocab"))  # a reduced head: those rows only (draft_vocab.py)

@@ -7,6 +7,7 @@ import copy
 import mlx.core as mx
 import torch
 
+from hetero_sd.models import draft_vocab
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.weights import take
 
@@ -19,8 +20,9 @@ class MLXDraft(DraftBackend):
     device = "mlx"
 
     def __init__(self, cfg: DraftConfig, tensors: dict, where, embed, lm_head, feature_size: int,
-                 mask_token_id: int, dtype=mx.float32):
-        """embed [vocab, hidden] and lm_head [hidden, vocab]: the target's, as torch or MLX arrays."""
+                 mask_token_id: int, dtype=mx.float32, vocab_ids: torch.Tensor | None = None):
+        """embed [vocab, hidden] and lm_head [hidden, vocab]: the target's, as torch or MLX arrays;
+        vocab_ids: a reduced head's target ids (hetero_sd/models/draft_vocab.py): only those columns are kept."""
         arch = self.arch = cfg.arch
         self.block_size, self.mask_token_id, self.dtype = cfg.block_size, mask_token_id, dtype
         h = arch.hidden_size
@@ -30,6 +32,9 @@ class MLXDraft(DraftBackend):
         self.layers = [DecoderLayer(arch, tensors, f"layers.{i}.", where, dtype) for i in range(arch.num_hidden_layers)]
         self.embed = embed.astype(dtype) if isinstance(embed, mx.array) else to_mx(embed, dtype)
         self.lm_head = lm_head.astype(dtype) if isinstance(lm_head, mx.array) else to_mx(lm_head, dtype)
+        self.vocab_size, self.vocab_ids = self.lm_head.shape[1], vocab_ids
+        if vocab_ids is not None:
+            self.lm_head = mx.take(self.lm_head, mx.array(vocab_ids.numpy()), axis=1)
         self.rope = Rope(arch, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, dtype)
         self.last_hidden: torch.Tensor | None = None
@@ -70,4 +75,6 @@ class MLXDraft(DraftBackend):
         logits = hidden @ self.lm_head
         mx.eval(logits, hidden)
         self.last_hidden = to_torch(hidden)
+        if self.vocab_ids is not None:  # K scores -> the target's vocabulary, FLOOR elsewhere
+            return draft_vocab.expand(to_torch(logits), self.vocab_ids, self.vocab_size)
         return to_torch(logits)

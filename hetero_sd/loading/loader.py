@@ -85,6 +85,9 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored),
                       mask, tensors, info["notes"], policy)
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
+    # the rows of the target's head the draft scores: e.g. "8192 of 49152 rows" (models/draft_vocab.py)
+    info["draft_head"] = f"{(dcfg.format.draft_vocab_size if policy.draft_vocab else None) or tcfg.vocab_size} " \
+                         f"of {tcfg.vocab_size} rows"
     info.update(draft=str(dfolder) if dfolder else draft, draft_format=dcfg.format.describe(),
                 draft_device=draft_device, block_size=dcfg.block_size,
                 target_layer_ids=layer_ids, mask_token_id=mask, schedule=schedule)
