@@ -47,7 +47,8 @@ class DynamicConv(nn.Module):
         fmt, h = cfg.format, cfg.arch.hidden_size
         self.kernel, self.group = fmt.conv_kernel_size, fmt.conv_group_size
         groups = h // self.group
-        self.register_buffer("base", take(tensors, prefix + "base_kernel", (2, self.kernel, h), where).to(device, dtype))
+        base = take(tensors, prefix + "base_kernel", (2, self.kernel, h), where)
+        self.register_buffer("base", base.to(device, dtype))
         proj = take(tensors, prefix + "kernel_projection.weight", (2 * self.kernel * groups, h), where)
         self.register_buffer("projection", proj.to(device, dtype).t().contiguous())
 

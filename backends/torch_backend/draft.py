@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.weights import take
@@ -24,10 +25,90 @@ from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, line
 from .plan import WeightPlan
 
 
+class DFlashDraft(nn.Module):
+    """The DFlash (and DFlash2) draft as an nn.Module: fc, hidden_norm, the layers (DecoderLayer, with
+    DFlash2's convolutions and selector), the final norm as registered buffers; the target's embedding and
+    head as buffers it shares (not saved); the multipliers (its own matrices dense or packed, the head the
+    target lends it) chosen while it is built. Inference (TorchDraft: a block on the cached context) and
+    training (DraftModule: built over the trained parameters, every block in one `denoise`) run its forward."""
+
+    def __init__(self, cfg: DraftConfig, tensors: dict, where, device: str, dtype: torch.dtype,
+                 embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, lm_head_mm=None, pack: bool = True,
+                 policy: LoadPolicy = DEFAULT, vocab_ids: torch.Tensor | None = None):
+        super().__init__()
+        arch = self.arch = cfg.arch
+        self.format, h = cfg.format, arch.hidden_size
+        self.register_buffer("fc", orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype)))
+        self.register_buffer("hidden_norm", take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype))
+        self.register_buffer("norm", take(tensors, "norm.weight", (h,), where).to(device, dtype))
+        plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
+        plan.note_gemm_off()
+        multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply, kv=True)
+            for i in range(arch.num_hidden_layers))
+        # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
+        self.register_buffer("embed", embed.to(device, dtype), persistent=False)
+        self.register_buffer("lm_head", orient(lm_head.t().to(device, dtype)) if vocab_ids is None
+                             else sliced(lm_head, vocab_ids, device, dtype), persistent=False)
+        self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
+        self.mm_fc = plan.dense(self.fc) if pack else self.fc
+        self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
+        self.notes: list[str] = plan.notes
+        # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
+        dflash2 = self.format.name == "dflash2"
+        self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
+        self.selector = Selector(tensors, cfg, where, device, dtype) if dflash2 else None
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Context features [T, L*H] -> [1, T, H]: what every layer's k/v projection reads."""
+        return rms_norm(linear(features.to(self.fc.device, self.fc.dtype)[None], self.mm_fc), self.hidden_norm,
+                        self.arch.rms_norm_eps)
+
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [1, T] ([anchor, mask, ...] per block) -> the layers' input [1, T, H]."""
+        h = F.embedding(ids, self.embed)
+        return h * self.format.input_embedding_scale if self.format.input_embedding_scale != 1.0 else h
+
+    def context_kv(self, fused: torch.Tensor, cos, sin, i: int):
+        """Layer i's K/V of the fused context features (no input norm on them: they feed k/v directly)."""
+        return self.layers[i].project_kv(fused, cos, sin)
+
+    def forward(self, h: torch.Tensor, cos, sin, write, masks) -> torch.Tensor:
+        """The block's rows h [1, T, H] through the layers (not yet final-normed). write(i, k, v): stores
+        layer i's block K/V after the context and returns all keys and values; masks: per layer."""
+        eps = self.arch.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            if self.convs is not None:
+                h = conv_layer(layer, self.convs[i], h, cos, sin, partial(write, i), masks[i])
+                continue
+            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
+            keys, values = write(i, k, v)
+            h = layer.attend(h, q, keys, values, masks[i])
+        return h
+
+    def denoise(self, features: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Blocks on a context without the cache, differentiably (training runs every block of a sequence
+        in one pass): context `features` [S, L*H] at positions 0..S-1; block rows `block_ids` [R] at
+        `positions` [R]; `mask` [R, S + R]: which keys (context, then block rows) each row sees. Returns
+        the final hidden states [R, H] (what `propose` turns into logits). With one block and a mask
+        that shows it the context before its anchor, this is `propose` (the training tests check it)."""
+        context = self.fuse(features)
+        ctx_cos, ctx_sin = rope.at(0, features.shape[0])
+        cos, sin = (table[positions] for table in rope.at(0, int(positions.max()) + 1))
+
+        def write(i, k, v):  # the context's K/V as add_context computes them, then the block's
+            k_ctx, v_ctx = self.context_kv(context, ctx_cos, ctx_sin, i)
+            return torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2)
+
+        h = self(self.embed_block(block_ids[None]), cos, sin, write, [mask] * len(self.layers))
+        return rms_norm(h[0], self.norm, self.arch.rms_norm_eps)
+
+
 class TorchDraft(CacheOwner, DraftBackend):
-    """The draft for inference (`add_context`, `propose`: one block on the cached context) and for
-    training (`denoise`: many blocks in one differentiable pass, built with pack=False over the
-    trained tensors; hetero_sd/train/model.py)."""
+    """The backend seam's draft on torch: the DFlashDraft module, its KV cache of the context and RoPE
+    tables; `add_context`, `propose` (one block on the cached context) and, for training, `denoise`."""
 
     def __init__(self, cfg: DraftConfig, tensors: dict, where: Path, device: str, dtype: torch.dtype,
                  embed: torch.Tensor, lm_head: torch.Tensor, feature_size: int, mask_token_id: int,
@@ -39,56 +120,29 @@ class TorchDraft(CacheOwner, DraftBackend):
         arch = self.arch = cfg.arch
         self.device, self.dtype = device, dtype
         self.block_size, self.mask_token_id = cfg.block_size, mask_token_id
-        h = arch.hidden_size
-        self.fc = orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype))
-        self.hidden_norm = take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype)
-        self.norm = take(tensors, "norm.weight", (h,), where).to(device, dtype)
-        plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
-        plan.note_gemm_off()
-        multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
-        self.layers = [DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply,
-                                    kv=True)
-                       for i in range(arch.num_hidden_layers)]
-        # Shared with the target (lm_head stored [hidden, vocab]); copied only across devices/dtypes.
-        self.embed, self.lm_head = embed.to(device, dtype), orient(lm_head.t().to(device, dtype)) \
-            if vocab_ids is None else sliced(lm_head, vocab_ids, device, dtype)
-        self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
-        self.mm_fc = plan.dense(self.fc) if pack else self.fc
-        self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
-        self.notes: list[str] = plan.notes + ([head_note] if head_note and pack else [])
+        m = self.model = DFlashDraft(cfg, tensors, where, device, dtype, embed, lm_head, feature_size, lm_head_mm,
+                                     pack, policy, vocab_ids)
+        # what the rest of the runtime reads (floors, the ANE graph, drift, tests)
+        self.fc, self.hidden_norm, self.norm, self.layers = m.fc, m.hidden_norm, m.norm, m.layers
+        self.embed, self.lm_head, self.mm_head, self.mm_fc, self.head = m.embed, m.lm_head, m.mm_head, m.mm_fc, m.head
+        self.format, self.convs, self.selector = m.format, m.convs, m.selector
+        self.notes: list[str] = m.notes + ([head_note] if head_note and pack else [])
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
-        # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
-        self.format = cfg.format
-        dflash2 = self.format.name == "dflash2"
-        self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
-        self.selector = Selector(tensors, cfg, where, device, dtype) if dflash2 else None
 
     @property
     def context_length(self) -> int:
         return self.cache.length
 
-    def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Context features [T, L*H] -> [1, T, H]: what every layer's k/v projection reads."""
-        return rms_norm(linear(features.to(self.device, self.dtype)[None], self.mm_fc), self.hidden_norm,
-                        self.arch.rms_norm_eps)
-
-    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [1, T] ([anchor, mask, ...] per block) -> the layers' input [1, T, H]."""
-        h = F.embedding(ids, self.embed)
-        return h * self.format.input_embedding_scale if self.format.input_embedding_scale != 1.0 else h
-
     @torch.inference_mode()
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
         self.cache.reserve(start + count + self.block_size)
-        fused = self.fuse(features)
+        fused = self.model.fuse(features)
         cos, sin = self.rope.at(start, count)
-        for i, layer in enumerate(self.layers):
-            # The fused features feed every layer's k/v directly: no input norm on them.
-            k, v = layer.project_kv(fused, cos, sin)
-            self.cache.write(i, start, k, v)
+        for i in range(len(self.layers)):
+            self.cache.write(i, start, *self.model.context_kv(fused, cos, sin, i))
         self.cache.length = start + count
 
     def weights(self) -> ModelWeights:
@@ -115,19 +169,11 @@ class TorchDraft(CacheOwner, DraftBackend):
         position = start if position is None else position
         ids = torch.full((1, size), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
-        h = self.embed_block(ids)
-        # Cache slots follow the context; RoPE carries the true positions.
+        # Cache slots follow the context; RoPE carries the true positions. The block's K/V go after the
+        # context and are never kept (length is not advanced).
         cos, sin = self.rope.at(position, size)
         masks = block_masks(self.format.attention, start, position, size, self.device)
-        for i, layer in enumerate(self.layers):
-            # The block's K/V go after the context and are never kept (length is not advanced).
-            write = partial(self.cache.write, i, start)
-            if self.convs is not None:
-                h = conv_layer(layer, self.convs[i], h, cos, sin, write, masks[i])
-                continue
-            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
-            keys, values = write(k, v)
-            h = layer.attend(h, q, keys, values, masks[i])
+        h = self.model(self.model.embed_block(ids), cos, sin, lambda i, k, v: self.cache.write(i, start, k, v), masks)
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
         logits = self.head(self.last_hidden)  # [size-1, vocab] float32, whole head or reduced (head.py)
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
@@ -135,21 +181,8 @@ class TorchDraft(CacheOwner, DraftBackend):
 
     def denoise(self, features: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """Blocks on a context without the cache, differentiably (training runs every block of a sequence
-        in one pass): context `features` [S, L*H] at positions 0..S-1; block rows `block_ids` [R] at
-        `positions` [R]; `mask` [R, S + R]: which keys (context, then block rows) each row sees. Returns
-        the final hidden states [R, H] (what `propose` turns into logits). With one block and a mask
-        that shows it the context before its anchor, this is `propose` (the training tests check it)."""
-        eps = self.arch.rms_norm_eps
-        context = self.fuse(features)
-        h = self.embed_block(block_ids[None])
-        ctx_cos, ctx_sin = self.rope.at(0, features.shape[0])
-        cos, sin = (table[positions] for table in self.rope.at(0, int(positions.max()) + 1))
-        for layer in self.layers:  # the context's K/V as add_context computes them, the block's as propose does
-            k_ctx, v_ctx = layer.project_kv(context, ctx_cos, ctx_sin)
-            q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
-            h = layer.attend(h, q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), mask)
-        return rms_norm(h[0], self.norm, eps)
+        """DFlashDraft.denoise on this draft's RoPE tables (training; see there)."""
+        return self.model.denoise(features, block_ids, positions, mask, self.rope)
 
 
 def block_masks(attention, start: int, position: int, size: int, device) -> list[torch.Tensor | None]:

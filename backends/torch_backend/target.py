@@ -56,7 +56,8 @@ class TargetModel(nn.Module):
         return [self.mm_head] + [getattr(layer, a) for layer in self.layers for a in LAYER_MATRICES]
 
     def dense_matrices(self) -> list[torch.Tensor]:
-        return [self.lm_head] + [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        mats = ("wqkv", "wo", "w_gate_up", "w_down")
+        return [self.lm_head] + [getattr(layer, a) for layer in self.layers for a in mats]
 
     def forward(self, ids: torch.Tensor, cache, start: int, cos, sin, mask, capture: Sequence[int] = (),
                 ops=None) -> tuple:

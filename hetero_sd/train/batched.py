@@ -57,7 +57,8 @@ class BatchedGenerator:
 
     def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(self.cfg.num_hidden_layers)]
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                for _ in range(self.cfg.num_hidden_layers)]
 
     @torch.inference_mode()
     def prefill(self, cache, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
