@@ -3,7 +3,7 @@ process, interleaved (the machine is shared: only a same-process, same-minute co
 round runs the cost probe of `hetero-sd bench --costs` on each variant in turn (decode step, verify of k, draft
 of b with the shipped draft); medians over rounds, in ms and in decode-step units, and int8/float32 ratios.
 
-    python benchmarks/int8_ab.py --rounds 3 --ks 1,2,4,8,16,32,64 --json benchmarks/results/int8_ab_avx2.json
+    python benchmarks/int8_ab.py --threads 1 --rounds 3 --ks 1,2,4,8,16,32,64 --json benchmarks/results/int8_ab_avx2.json
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8,16")
     ap.add_argument("--draft", default="default")
     ap.add_argument("--dtypes", default="float32,int8")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ks = tuple(int(k) for k in args.ks.split(","))
-    variants = {d: load("default", args.draft, dtype=d) for d in args.dtypes.split(",")}
+    variants = {d: load("default", args.draft, dtype=d, cpu_threads=args.threads) for d in args.dtypes.split(",")}
     runs = {d: [] for d in variants}
     for r in range(args.rounds):
         for name, rt in variants.items():
