@@ -60,24 +60,30 @@ def at_least(flag: str, value, minimum: int, fix: str) -> None:
         raise InvalidArgumentError(f"{flag} must be >= {minimum}, got {value}", fix)
 
 
+# train-draft's whole-number flags: (flag, the least value, the fix named in the error)
+TRAIN_MINIMUMS = (
+    ("--block-size", 2, "pass --block-size 16 (an anchor and at least one draft)"),
+    ("--layers", 1, "pass --layers 2 (draft layers)"),
+    ("--steps", 1, "pass --steps 1000 (optimizer steps)"),
+    ("--accumulate", 1, "pass --accumulate 4 (sequences per optimizer step)"),
+    ("--pack", 1, "pass --pack 1 (sequences per forward)"),
+    ("--eval-every", 1, "pass --eval-every 100 (steps between evaluations)"),
+    ("--anchors", 0, "pass --anchors 0 (every response token) or a count of blocks"),
+    ("--prompts", 1, "pass --prompts 1600 (or leave it unset)"),
+    ("--max-new-tokens", 1, "pass --max-new-tokens 200 (or leave it unset)"),
+    ("--gen-batch-size", 1, "pass --gen-batch-size 48"),
+    ("--max-prompt-tokens", 1, "pass --max-prompt-tokens 384"),
+    ("--soft-top-k", 1, "pass --soft-top-k 32"))
+
+
 def train_args(args) -> None:
     """train-draft's numbers, data file and output folder, before any target is loaded or data made."""
     import math
 
     from hetero_sd import validate
 
-    at_least("--block-size", args.block_size, 2, "pass --block-size 16 (an anchor and at least one draft)")
-    at_least("--layers", args.layers, 1, "pass --layers 2 (draft layers)")
-    at_least("--steps", args.steps, 1, "pass --steps 1000 (optimizer steps)")
-    at_least("--accumulate", args.accumulate, 1, "pass --accumulate 4 (sequences per optimizer step)")
-    at_least("--pack", args.pack, 1, "pass --pack 1 (sequences per forward)")
-    at_least("--eval-every", args.eval_every, 1, "pass --eval-every 100 (steps between evaluations)")
-    at_least("--anchors", args.anchors, 0, "pass --anchors 0 (every response token) or a count of blocks")
-    at_least("--prompts", args.prompts, 1, "pass --prompts 1600 (or leave it unset)")
-    at_least("--max-new-tokens", args.max_new_tokens, 1, "pass --max-new-tokens 200 (or leave it unset)")
-    at_least("--gen-batch-size", args.gen_batch_size, 1, "pass --gen-batch-size 48")
-    at_least("--max-prompt-tokens", args.max_prompt_tokens, 1, "pass --max-prompt-tokens 384")
-    at_least("--soft-top-k", args.soft_top_k, 1, "pass --soft-top-k 32")
+    for flag, minimum, fix in TRAIN_MINIMUMS:
+        at_least(flag, getattr(args, flag[2:].replace("-", "_")), minimum, fix)
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise InvalidArgumentError(f"--lr must be a finite number > 0, got {args.lr}", "pass --lr 6e-4")
     if not (math.isfinite(args.soft) and args.soft >= 0):
