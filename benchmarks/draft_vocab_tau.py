@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--reduced", nargs="+", required=True)
     ap.add_argument("--held-out", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=0, help="only the first N held-out rows (0: all)")
     ap.add_argument("--check-rows", type=int, default=4, help="rows on which each reduced draft is run itself")
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
     ap.add_argument("--feature-cache", default="/work/train-out/features")
@@ -49,6 +50,7 @@ def main() -> None:
     rows = load_distilled(Path(args.distill), target)
     held, _ = split_held_out(rows, args.held_out, 0)
     held = [r for r in held if len(r["response_ids"]) > 1]
+    held = held[:args.rows] if args.rows else held
     folder = draft_folder(args.draft)
     raw = read_json(folder / "config.json")
     features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
@@ -62,9 +64,12 @@ def main() -> None:
     per_head = {name: [] for name in heads}
     check = {name: [0, 0] for name in reduced_drafts}
     for n, r in enumerate(held):
+        if n % 16 == 0:
+            print(f"row {n}/{len(held)}, {time.process_time() - cpu0:.0f} CPU s", file=sys.stderr, flush=True)
         ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
         feats = features(r["index"], ids, r.get("key"))
         memo: dict[int, torch.Tensor] = {}
+        draft.crop(0)  # this row's context only
 
         def logits_at(a: int) -> torch.Tensor:
             if a not in memo:
