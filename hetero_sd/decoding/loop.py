@@ -35,7 +35,7 @@ from .stats import Stats
 
 SCHEDULES = ("sequential", "overlap")
 MAX_HYPOTHESES = 8
-FAULT = object()  # what a failed pre-draft returns
+FAULT = object()  # what a failed draft or pre-draft returns
 
 
 @dataclass
@@ -197,27 +197,45 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
 
+def first_token(r: Request):
+    """The prefill's token, yielded; returns (the anchor, the features the draft has not been given yet)
+    with the draft's context cut back to what the prefix cache reuses."""
+    anchor, features = prefill(r, features=True)
+    yield Step(r.emit([anchor]))
+    r.draft.crop(r.reuse)
+    return anchor, [features]
+
+
 def speculative(r: Request) -> Iterator[Step]:
     """Draft a block, verify it; or, when the controller says so, a plain decode step. `pending` holds
     the context features the draft has not been given yet (it catches up on its next block)."""
-    anchor, features = prefill(r, features=True)
-    pending = [features]
-    yield Step(r.emit([anchor]))
-    r.draft.crop(r.reuse)
+    anchor, pending = yield from first_token(r)
     while not r.budget.done:
-        size = r.block_size()
-        if size == PLAIN:
-            step, anchor = plain_step(r, anchor, pending)
-            yield step
-            continue
-        logits = timed_draft(r, partial(next_block, r, pending, anchor, None, size))
-        if logits is None:
-            yield from finish_autoregressive(r, anchor)
+        logits, anchor = yield from plain_or_drafted(r, anchor, pending, None)
+        if logits is FAULT:
             return
+        if logits is None:
+            continue
         step, verdict, verified = verify_block(r, anchor, logits)
         anchor, pending = verdict.tokens[-1], [verified]
         yield step
     keep_context(r, pending)
+
+
+def plain_or_drafted(r: Request, anchor: int, pending: list[torch.Tensor], ready: torch.Tensor | None):
+    """This step as the controller chooses it: a plain decode step (yielded; returns (None, the new
+    anchor)) or the next block, pre-drafted (`ready`) or fresh (returns (its logits, the anchor)). A faulty
+    draft: the rest of the generation autoregressively (yielded), and returns (FAULT, the anchor)."""
+    size = r.block_size()
+    if size == PLAIN:
+        step, anchor = plain_step(r, anchor, pending)
+        yield step
+        return None, anchor
+    logits = timed_draft(r, partial(next_block, r, pending, anchor, ready, size))
+    if logits is None:
+        yield from finish_autoregressive(r, anchor)
+        return FAULT, anchor
+    return logits, anchor
 
 
 def keep_context(r: Request, pending: list[torch.Tensor]) -> None:
@@ -240,22 +258,15 @@ def next_block(r: Request, context: list[torch.Tensor], anchor: int, ready: torc
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:
-    anchor, features = prefill(r, features=True)
-    pending = [features]
-    yield Step(r.emit([anchor]))
-    r.draft.crop(r.reuse)
+    anchor, pending = yield from first_token(r)
     ready, pace = None, Pace()  # ready: the block pre-drafted for this anchor, if a guess was right
     while not r.budget.done:
-        size = r.block_size()
-        if size == PLAIN:  # a pre-drafted block, if any, is dropped unread
-            step, anchor = plain_step(r, anchor, pending)
-            ready = None
-            yield step
-            continue
-        logits = timed_draft(r, partial(next_block, r, pending, anchor, ready, size))
-        if logits is None:
-            yield from finish_autoregressive(r, anchor)
+        logits, anchor = yield from plain_or_drafted(r, anchor, pending, ready)
+        if logits is FAULT:
             return
+        if logits is None:  # a plain step: a pre-drafted block, if any, is dropped unread
+            ready = None
+            continue
         jobs = {}
 
         def launch(drafted, anchor=anchor, start=r.target.length, logits=logits):
