@@ -98,6 +98,14 @@ class ModelWeights:
     draft_vocab: torch.Tensor | None = None  # a reduced draft head: the target ids of lm_head's K columns
 
 
+def gather_features(layer_ids: list[int], captured: list, num_layers: int, final_norm, concat):
+    """The draft's context features [T, L*H] from the hidden states captured in one forward (None where the
+    target serves no draft): `feature_parts` joined by the backend's `concat(parts, axis)`."""
+    if not layer_ids:
+        return None
+    return concat(feature_parts(layer_ids, captured, num_layers, final_norm), -1)[0]
+
+
 def feature_parts(layer_ids: list[int], captured: list, num_layers: int, final_norm) -> list:
     """Captured hidden states (in layer order) arranged as in `layer_ids`, the last layer's after the
     final norm as in HF's hidden_states: the context features a DFlash draft was trained on."""

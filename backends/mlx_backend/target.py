@@ -13,7 +13,7 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import take
 
-from hetero_sd.backends.base import TargetBackend, TargetOutput, feature_parts
+from hetero_sd.backends.base import TargetBackend, TargetOutput, gather_features
 from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
 
 
@@ -72,11 +72,8 @@ class MLXTarget(TargetBackend):
         return TargetOutput(to_torch(logits), None if feats is None else to_torch(feats))
 
     def gather(self, captured: list[mx.array]) -> mx.array | None:
-        if not self.layer_ids:
-            return None
-        parts = feature_parts(self.layer_ids, captured, self.config.num_hidden_layers,
-                              lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps))
-        return mx.concatenate(parts, -1)[0]
+        return gather_features(self.layer_ids, captured, self.config.num_hidden_layers,
+                               lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps), mx.concatenate)
 
 
 def causal_mask(start: int, count: int, dtype) -> mx.array:

@@ -15,7 +15,7 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
-from ..base import ModelWeights, TargetBackend, TargetOutput, feature_parts
+from ..base import ModelWeights, TargetBackend, TargetOutput, gather_features
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from . import fused
@@ -48,6 +48,12 @@ class TargetModel(nn.Module):
         if plan.blocks:
             made = [m for m in self.matrices() if getattr(m, "blocks", False)]
             plan.notes.append(plan.blocks_note(made, sum(w.numel() for w in self.dense_matrices())))
+        # The forward's walk as plain references to the registered weights: nn.Module's attribute lookup costs
+        # ~1 us a read, ~100 reads a decode step. Each layer with its post-attention norm and the next norm
+        # (the next layer's input norm, or the final norm after the last layer).
+        following = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
+        self.walk = tuple((layer, layer.post_norm, norm) for layer, norm in zip(self.layers, following))
+        self.first_norm = self.layers[0].in_norm
         # the layer's steps: torch ops, or the same steps as fused C++ ops (fused.py), as the plan says
         self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if plan.fused else TorchOps(cfg.rms_norm_eps)
 
@@ -65,13 +71,12 @@ class TargetModel(nn.Module):
         norm, the layers' K/V going into `cache` through the ops strategy (default: the plan's; data
         generation passes its own for slot caches): (the normed last hidden states [rows, T, H], the hidden
         states of the layers in `capture`, in layer order)."""
-        ops, layers, captured = ops or self.ops, self.layers, []
+        ops, captured = ops or self.ops, []
         h = F.embedding(ids, self.embed)
-        x = ops.norm(h, layers[0].in_norm)
-        for i, layer in enumerate(layers):
-            h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), layer.post_norm)
-            # the next layer's input norm, or the final norm after the last layer
-            h, x = ops.add_norm(h, ops.mlp(layer, x), layers[i + 1].in_norm if i + 1 < len(layers) else self.norm)
+        x = ops.norm(h, self.first_norm)
+        for i, (layer, post_norm, next_norm) in enumerate(self.walk):
+            h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), post_norm)
+            h, x = ops.add_norm(h, ops.mlp(layer, x), next_norm)
             if i in capture:
                 captured.append(h)
         return x, captured
@@ -170,11 +175,8 @@ class TorchTarget(CacheOwner, TargetBackend):
         return TargetOutput(self.model.logits(normed), self.gather(captured) if features else None)
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
-        if not self.layer_ids:
-            return None
-        parts = feature_parts(self.layer_ids, captured, self.config.num_hidden_layers,
-                              lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps))
-        return torch.cat(parts, -1)[0]
+        return gather_features(self.layer_ids, captured, self.config.num_hidden_layers,
+                               lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps), torch.cat)
 
     def causal_mask(self, start: int, count: int) -> torch.Tensor:
         rows = torch.arange(count, device=self.device)[:, None] + start
