@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -27,6 +28,21 @@ def run(scenario):
 
 async def ready(pilot, app, timeout: float = 300.0) -> None:
     await until(pilot, lambda: not app.query_one("#prompt").disabled, timeout)
+
+
+@contextlib.asynccontextmanager
+async def started(app, size: tuple[int, int], timeout: float = 300.0):
+    """The app under Textual's Pilot at `size`, once its models have loaded (the prompt is enabled)."""
+    async with app.run_test(size=size) as pilot:
+        await ready(pilot, app, timeout)
+        yield pilot
+
+
+async def settings(pilot, app):
+    """The settings dialog (ctrl+o), open: its screen."""
+    await pilot.press("ctrl+o")
+    await pilot.pause(0.2)
+    return app.screen
 
 
 async def ask(pilot, text: str) -> None:
@@ -65,8 +81,7 @@ def test_chat_streams_updates_stats_and_stops_on_escape(default_folder, tmp_path
     app = ChatApp({"target": "default", "draft": "random"}, max_new_tokens=400, save_dir=tmp_path)
 
     async def scenario():
-        async with app.run_test(size=(80, 24)) as pilot:
-            await ready(pilot, app)
+        async with started(app, (80, 24)) as pilot:
             await ask(pilot, "Tell me a long story about a dragon.")
             await until(pilot, lambda: app.answers and len(app.answers[0][1].text) > 20)
             assert "tau" in str(app.query_one("#panel").render())
@@ -90,8 +105,7 @@ def test_second_turn_uses_the_conversation(default_folder, tmp_path):
     app = ChatApp({"target": "default", "draft": "random"}, max_new_tokens=16, save_dir=tmp_path)
 
     async def scenario():
-        async with app.run_test(size=(100, 30)) as pilot:
-            await ready(pilot, app)
+        async with started(app, (100, 30)) as pilot:
             for question in ("What is 2 plus 2?", "And times 3?"):
                 await ask(pilot, question)
                 await until(pilot, lambda: not app.generating)
@@ -122,11 +136,8 @@ def test_settings_change_temperature_and_schedule_from_the_app(tiny_llama, tiny_
     app = ChatApp({"target": str(tiny_llama), "draft": str(tiny_draft)}, max_new_tokens=8)
 
     async def scenario():
-        async with app.run_test(size=(80, 24)) as pilot:
-            await ready(pilot, app, timeout=60)
-            await pilot.press("ctrl+o")
-            await pilot.pause(0.2)
-            screen = app.screen
+        async with started(app, (80, 24), 60) as pilot:
+            screen = await settings(pilot, app)
             screen.query_one("#temperature", Input).value = "0.7"
             screen.query_one("#schedule", Select).value = "overlap"
             await pilot.click("#apply")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hetero_sd.cli import main
 from hetero_sd.tui import ChatApp
 
-from .test_chat import ask, ready, run, until
+from .test_chat import ask, run, settings, started, until
 
 
 def test_settings_enter_applies_and_a_tiny_temperature_is_refused_in_the_dialog(tiny_llama, tiny_draft):
@@ -15,11 +15,8 @@ def test_settings_enter_applies_and_a_tiny_temperature_is_refused_in_the_dialog(
     app = ChatApp({"target": str(tiny_llama), "draft": str(tiny_draft)}, max_new_tokens=8)
 
     async def scenario():
-        async with app.run_test(size=(120, 36)) as pilot:
-            await ready(pilot, app, timeout=120)
-            await pilot.press("ctrl+o")
-            await pilot.pause(0.2)
-            dialog = app.screen
+        async with started(app, (120, 36), 120) as pilot:
+            dialog = await settings(pilot, app)
             field = dialog.query_one("#temperature", Input)
             field.value = "1e-300"
             field.focus()
@@ -34,9 +31,7 @@ def test_settings_enter_applies_and_a_tiny_temperature_is_refused_in_the_dialog(
             assert not app.conversation.messages and not app.answers
             # every field sits inside the dialog's box at 120x36 (the chat box's dock rule once pulled
             # the dialog's inputs out of the grid)
-            await pilot.press("ctrl+o")
-            await pilot.pause(0.2)
-            box = app.screen.query_one("#box").region
+            box = (await settings(pilot, app)).query_one("#box").region
             for w in app.screen.query("Input, Select, Button"):
                 assert box.contains_region(w.region), w.id
             await pilot.press("escape")
@@ -48,8 +43,7 @@ def test_a_failing_answer_keeps_the_conversation(tiny_llama, tiny_draft, monkeyp
     app = ChatApp({"target": str(tiny_llama), "draft": str(tiny_draft)}, max_new_tokens=8)
 
     async def scenario():
-        async with app.run_test(size=(100, 30)) as pilot:
-            await ready(pilot, app, timeout=120)
+        async with started(app, (100, 30), 120) as pilot:
             await ask(pilot, "t5 t9")
             await until(pilot, lambda: not app.generating, timeout=60)
             assert len(app.conversation.messages) == 2

@@ -18,7 +18,7 @@ from hetero_sd.loading.pairs import PAIRS, auto_draft, model_name, published_dra
 from hetero_sd.models.config import ArchConfig, read_json
 from hetero_sd.models.draft_init import draft_config, random_draft_tensors, write_draft
 
-from .test_sources import SHA, fake_hub_cache, run_offline
+from .test_sources import SHA, offline_generate
 
 
 @pytest.mark.parametrize("spec,name", [
@@ -48,14 +48,10 @@ def test_draft_auto_resolves_a_known_target_from_the_local_hub_cache(tmp_path, t
     cfg = ArchConfig.from_dict(read_json(tiny_qwen3 / "config.json"))
     raw = draft_config(cfg, num_layers=1, block_size=4, mask_token_id=3, layer_ids=[0, 2, 3])
     draft = write_draft(tmp_path / "draft", raw, random_draft_tensors(raw), dtype=torch.float32)
-    cache = tmp_path / "hub"
-    fake_hub_cache(cache, "Qwen/Qwen3-8B", tiny_qwen3)  # a tiny stand-in under the real names
-    fake_hub_cache(cache, "z-lab/Qwen3-8B-DFlash-b16", draft)
-    out = run_offline(cache, "import hetero_sd, json; rt = hetero_sd.load('Qwen/Qwen3-8B', 'auto', block_size=4); "
-                             "g = rt.generate([5, 6, 7], max_new_tokens=5); "
-                             "print(json.dumps([rt.info['draft'], rt.info['notes'], g.stats.num_drafts]))")
-    assert out.returncode == 0, out.stderr
-    draft_path, notes, drafts = json.loads(out.stdout.strip().splitlines()[-1])
+    # a tiny stand-in under the real names
+    repos = {"Qwen/Qwen3-8B": tiny_qwen3, "z-lab/Qwen3-8B-DFlash-b16": draft}
+    draft_path, notes, drafts = offline_generate(tmp_path / "hub", repos, "'Qwen/Qwen3-8B', 'auto', block_size=4", 5,
+                                                 "rt.info['draft'], rt.info['notes'], g.stats.num_drafts")
     assert draft_path.endswith(f"models--z-lab--Qwen3-8B-DFlash-b16/snapshots/{SHA}")
     assert any("draft 'auto': z-lab/Qwen3-8B-DFlash-b16" in n for n in notes) and drafts > 0
 

@@ -28,14 +28,23 @@ def run_offline(cache, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_hub_ids_resolve_through_the_local_cache(tmp_path, tiny_llama, tiny_draft):
-    fake_hub_cache(tmp_path, "acme/tiny-llama", tiny_llama)
-    fake_hub_cache(tmp_path, "acme/tiny-llama-dflash", tiny_draft)
-    out = run_offline(tmp_path, "import hetero_sd, json; rt = hetero_sd.load('acme/tiny-llama', "
-                                "'acme/tiny-llama-dflash'); g = rt.generate([5, 6, 7], max_new_tokens=6); "
-                                "print(json.dumps([rt.info['target'], rt.info['draft'], g.token_ids]))")
+def offline_generate(cache, repos: dict, load_args: str, max_new_tokens: int, fields: str) -> list:
+    """The `repos` (hub id -> folder) put in the hub cache `cache`; then, in a Python run offline on it,
+    rt = hetero_sd.load(load_args) and g = rt.generate([5, 6, 7], ...): the values of `fields` (a Python
+    list's items), as JSON. The run must succeed."""
+    for repo_id, folder in repos.items():
+        fake_hub_cache(cache, repo_id, folder)
+    out = run_offline(cache, f"import hetero_sd, json; rt = hetero_sd.load({load_args}); "
+                             f"g = rt.generate([5, 6, 7], max_new_tokens={max_new_tokens}); "
+                             f"print(json.dumps([{fields}]))")
     assert out.returncode == 0, out.stderr
-    target, draft, ids = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_hub_ids_resolve_through_the_local_cache(tmp_path, tiny_llama, tiny_draft):
+    repos = {"acme/tiny-llama": tiny_llama, "acme/tiny-llama-dflash": tiny_draft}
+    target, draft, ids = offline_generate(tmp_path, repos, "'acme/tiny-llama', 'acme/tiny-llama-dflash'", 6,
+                                          "rt.info['target'], rt.info['draft'], g.token_ids")
     assert target.endswith(f"models--acme--tiny-llama/snapshots/{SHA}")
     assert draft.endswith(f"models--acme--tiny-llama-dflash/snapshots/{SHA}")
     assert len(ids) == 6
