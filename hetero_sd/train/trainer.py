@@ -170,7 +170,9 @@ def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
     old = read_json(folder / "config.json")
     keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "dflash_config")
-    differ = [k for k in keys if old.get(k) != raw.get(k)]
+    # the head's reduced vocabulary (models/draft_vocab.py) shapes no trained weight: not compared
+    plain = lambda c: {k: v for k, v in c.items() if k != "draft_vocab_size"} if isinstance(c, dict) else c  # noqa: E731
+    differ = [k for k in keys if plain(old.get(k)) != plain(raw.get(k))]
     if differ:
         raise ConfigError(f"--init-from {folder}: its config differs in {', '.join(differ)}",
                           "train with the same --layers/--block-size, or start from the target")
