@@ -31,15 +31,20 @@ def random_rows(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return torch.cat(parts, -1).reshape(n, -1).numpy()
 
 
-@pytest.fixture
-def on_isa(monkeypatch):
-    """The kernels built while it is on take this ISA (LoadPolicy.quant_isa, as the weight plan passes it)."""
-    choose = quant.isa
+def isa_switch(monkeypatch, kernel):
+    """use(name): the kernels of `kernel` (quant, quant8) built from then on take this ISA
+    (LoadPolicy.quant_isa, as the weight plan passes it)."""
+    choose = kernel.isa
 
     def use(name):
-        monkeypatch.setattr(quant, "isa", lambda prefer=name, flags=None: choose(prefer, flags))
-        assert quant.isa() == name
+        monkeypatch.setattr(kernel, "isa", lambda prefer=name, flags=None: choose(prefer, flags))
+        assert kernel.isa() == name
     return use
+
+
+@pytest.fixture
+def on_isa(monkeypatch):
+    return isa_switch(monkeypatch, quant)
 
 
 @pytest.mark.parametrize("isa", ISAS)

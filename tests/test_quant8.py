@@ -14,7 +14,7 @@ from hetero_sd.backends.torch_backend import quant, quant8
 from hetero_sd.backends.torch_backend.cpu import cpu_flags
 from hetero_sd.errors import ConfigError
 
-from .test_quant import ROWS, random_rows
+from .test_quant import ROWS, isa_switch, random_rows
 
 pytestmark = pytest.mark.skipif(quant8.isa() is None, reason="no AVX512-VNNI nor AVX2+FMA+F16C on this CPU")
 
@@ -23,13 +23,7 @@ ISAS = ["avx2"] + (["avx512"] if {"avx512bw", "avx512_vnni"} <= cpu_flags() else
 
 @pytest.fixture
 def on_isa(monkeypatch):
-    """The kernels built while it is on take this ISA (LoadPolicy.quant_isa, as the weight plan passes it)."""
-    choose = quant8.isa
-
-    def use(name):
-        monkeypatch.setattr(quant8, "isa", lambda prefer=name, flags=None: choose(prefer, flags))
-        assert quant8.isa() == name
-    return use
+    return isa_switch(monkeypatch, quant8)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
