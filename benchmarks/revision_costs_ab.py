@@ -23,17 +23,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worktree(rev: str) -> Path:
+    """REV checked out, and beside it a folder to put on PYTHONPATH: hetero_sd/ whose entries link to the
+    worktree's, plus backends/, ane_compiler/ and tui/ linked in as pyproject's package-dir ships them
+    (else the venv's editable install would answer `hetero_sd.backends` from this tree)."""
     path = Path(tempfile.gettempdir()) / f"hetero-sd-rev-{rev}"
     if not path.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True)
-    return path
+    pkg = path.with_name(path.name + "-pkg") / "hetero_sd"
+    if not pkg.exists():
+        pkg.mkdir(parents=True)
+        for entry in (path / "hetero_sd").iterdir():
+            (pkg / entry.name).symlink_to(entry)
+        for sub in ("backends", "ane_compiler", "tui"):
+            (pkg / sub).symlink_to(path / sub)
+    return pkg.parent
 
 
-def probe(tree: Path, threads: int, extra_env: dict[str, str]) -> dict:
+def probe(tree: Path | None, threads: int, extra_env: dict[str, str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = dict(os.environ, PYTHONPATH=str(tree), **extra_env)
+        env = dict(os.environ, **extra_env)
+        if tree is not None:  # None: the working tree, as the venv's editable install has it
+            env["PYTHONPATH"] = str(tree)
         subprocess.run([sys.executable, "-m", "hetero_sd.cli", "bench", "--costs", "--threads", str(threads),
-                        "--json", out.name], cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+                        "--json", out.name], env=env, check=True, stdout=subprocess.DEVNULL,
+                       cwd=tempfile.gettempdir())  # not this tree: '' on sys.path would shadow PYTHONPATH
         return json.loads(Path(out.name).read_text())
 
 
@@ -58,7 +71,7 @@ def main() -> None:
     before_tree = worktree(args.rev)
     runs = {"before": [], "after": []}
     for r in range(args.rounds):
-        for side, tree, env in (("before", before_tree, {}), ("after", ROOT, extra)):
+        for side, tree, env in (("before", before_tree, {}), ("after", None, extra)):
             runs[side].append(costs_of(probe(tree, args.threads, env)))
             print(f"round {r + 1} {side}: {runs[side][-1]}", flush=True)
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
