@@ -18,7 +18,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,16 +29,7 @@ import hetero_sd  # noqa: E402
 from hetero_sd.backends import torch_backend  # noqa: E402
 from hetero_sd.decoding.costs import fill_ids, step  # noqa: E402
 from hetero_sd.models.config import DraftConfig  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+from timing import median as timed  # noqa: E402
 
 
 def main() -> None:

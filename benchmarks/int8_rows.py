@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
 from hetero_sd.backends.torch_backend import quant, quant8
+
+from timing import best  # noqa: E402  (this folder is on sys.path when run as a script)
 
 # (name, kind, out, in): the layer's fused matrices and the head (tied embedding, Q8_0)
 SHAPES = [("qkv", quant.Q4_1, 960, 576), ("o", quant.Q4_1, 576, 576), ("gate_up", quant.Q4_1, 3072, 576),
@@ -29,16 +30,6 @@ def random_rows(kind: str, n: int, k: int):
     quants = torch.randint(0, 256, (n, kb, 16 if kind == quant.Q4_1 else 32), generator=g, dtype=torch.uint8)
     parts = [scale(0.001, 0.02), scale(-0.15, 0.0), quants] if kind == quant.Q4_1 else [scale(0.0005, 0.01), quants]
     return torch.cat(parts, -1).reshape(n, -1).numpy()
-
-
-def best(f, reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from hetero_sd.backends.torch_backend.kernels import build
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
 from int8_rows import SHAPES, random_rows  # noqa: E402
+from timing import best  # noqa: E402
 
 
 def old_kernel(rev: str):
@@ -35,16 +35,6 @@ def old_kernel(rev: str):
     if isinstance(ops, Exception):
         raise ops
     return ops
-
-
-def best(f, reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def main() -> None:
