@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -31,12 +30,13 @@ DEFAULT_DISTILL = Path(__file__).resolve().parents[2] / "benchmarks" / "distill-
 def answer_counts(distill: Path, held_out: int) -> tuple[Counter, Counter, dict]:
     """Token counts of the training answers and of the held-out answers, and the shards' manifest."""
     from .distill import ShardStore
+    from .trainer import split_held_out
 
     store = ShardStore.existing(distill)
     rows = list(store.read())
     if not rows:
         raise ConfigError(f"{distill} holds no answers", "make them with: hetero-sd train-draft --distill DIR --generate-only")
-    held = {r["key"] for r in sorted(rows, key=lambda r: zlib.crc32(r["key"].encode()))[:held_out]}
+    held = {r["key"] for r in split_held_out([dict(r, index=i) for i, r in enumerate(rows)], held_out, 0)[0]}
     train, test = Counter(), Counter()
     for r in rows:
         (test if r["key"] in held else train).update(r["response_ids"])
