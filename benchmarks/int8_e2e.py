@@ -28,6 +28,7 @@ from int8_ab import lscpu  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--load-note", default="say what else ran on the machine")
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
@@ -66,7 +67,7 @@ def main() -> None:
         t["int8_over_float32_tokens_per_cpu_s"] = round(t["int8"]["tokens_per_cpu_s"] / t["float32"]["tokens_per_cpu_s"], 3)
     doc = {"command": " ".join(["python"] + sys.argv), "lscpu": lscpu(), "threads": args.threads,
            "prompts": len(ids), "max_new_tokens": args.tokens, "rounds": args.rounds,
-           "load_note": "shared 2-core VM (other helpers' jobs, a nice-19 training run): CPU-time based, indicative",
+           "load_note": args.load_note,
            "table": table}
     print(json.dumps(table, indent=1))
     with open(args.json, "w") as f:
