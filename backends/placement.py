@@ -72,6 +72,11 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
         from . import mlx_backend
         return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
     activations = "float32"
+    if dtype is None and device == "cpu":  # a GGUF target: int8 rows x its blocks, llama.cpp's numerics
+        dtype, why_not = torch_backend.default_target_numerics(folder, device, policy)
+        dtype = None if dtype == "float32" else dtype
+        if why_not and notes is not None:
+            notes.append(why_not)
     if dtype == INT8:
         if device != "cpu":
             raise ConfigError(f"--dtype {INT8} is a CPU target (integer dot products with GGUF blocks), not {device}",

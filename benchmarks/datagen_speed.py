@@ -29,11 +29,11 @@ def cpu_state() -> dict:
             "load_average_at_start": os.getloadavg()}
 
 
-def ours(folder, prompts, args, stops, dtype=torch.float32):
+def ours(folder, prompts, args, stops, dtype=torch.float32, numerics="float32"):
     from hetero_sd.train.batched import BatchedGenerator
 
     gen = BatchedGenerator(folder, slots=args.slots, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype)
+                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype, numerics=numerics)
     began, cpu = time.perf_counter(), time.process_time()
     answers = {a.key: a.response_ids for a in gen.generate(sorted(prompts, key=lambda p: len(p[1])))}
     return answers, time.perf_counter() - began, time.process_time() - cpu
@@ -78,6 +78,11 @@ def main() -> None:
     ap.add_argument("--runtime-checks", type=int, default=2)
     ap.add_argument("--bf16", action="store_true",
                     help="also ours in bfloat16 (weights, KV cache), between the float32 runs")
+    ap.add_argument("--int8", action="store_true",
+                    help="also ours on the int8 target (int8 rows x the GGUF blocks: the default CPU target), "
+                         "between the float32 runs; its answers are checked against that target's own greedy ones")
+    ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' generate")
+    ap.add_argument("--note", default="2 shared cores; other helpers' jobs ran at the same time (see load averages)")
     ap.add_argument("--out", default="benchmarks/results/datagen_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,6 +105,12 @@ def main() -> None:
         def ours_bf16(*a):
             return ours(*a, dtype=torch.bfloat16)
         order = order[:2] + [("ours-bf16", ours_bf16)] + order[2:]
+    if args.int8:
+        def ours_int8(*a):
+            return ours(*a, numerics="int8")
+        order = order[:-1] + [("ours-int8", ours_int8)] + order[-1:]
+    if args.no_transformers:
+        order = [o for o in order if o[0] != "transformers"]
     for name, fn in order:
         answers, seconds, cpu = fn(folder, prompts, args, stops)
         tokens = sum(len(v) for v in answers.values())
@@ -112,21 +123,34 @@ def main() -> None:
     for key, ids in prompts[:args.runtime_checks]:
         ref = rt.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
         checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == runs[0]["answers"][key]})
+    named = {r["generator"]: r for r in runs}
+    if args.int8:
+        rt8 = hetero_sd.load("default", None, dtype="int8")
+        for key, ids in prompts[:args.runtime_checks]:
+            ref = rt8.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
+            checks.append({"key": key, "int8": True, "runtime_tokens": len(ref),
+                           "equal_to_ours": ref == named["ours-int8"]["answers"][key]})
+    base = named.get("transformers", runs[0])
+
     def speedup(run: dict, unit: str) -> float:
-        return round(run[unit] / runs[1][unit], 2)
+        return round(run[unit] / base[unit], 2)
 
     ours_float32 = {"generator": "ours", "tokens_per_s": (runs[0]["tokens_per_s"] + runs[-1]["tokens_per_s"]) / 2,
                     "tokens_per_cpu_s": (runs[0]["tokens_per_cpu_s"] + runs[-1]["tokens_per_cpu_s"]) / 2}
     extra = {}
+    if args.int8:
+        extra["int8_over_ours_float32"] = {u: round(named["ours-int8"][u] / ours_float32[u], 2)
+                                           for u in ("tokens_per_s", "tokens_per_cpu_s")}
+        extra["agreement_ours_int8_vs_float32"] = agreement(runs[0]["answers"], named["ours-int8"]["answers"])
     if args.bf16:
-        extra = {"speedup_ours_bf16_vs_transformers": {u: speedup(runs[2], u) for u in ("tokens_per_s",
+        extra = {"speedup_ours_bf16_vs_transformers": {u: speedup(named["ours-bf16"], u) for u in ("tokens_per_s",
                                                                                        "tokens_per_cpu_s")},
-                 "agreement_ours_bf16_vs_float32": agreement(runs[0]["answers"], runs[2]["answers"])}
+                 "agreement_ours_bf16_vs_float32": agreement(runs[0]["answers"], named["ours-bf16"]["answers"])}
     result = {
-        "what": "greedy self-distillation answers, same prompts, one process: ours (float32), transformers "
-                "(float32), [ours bfloat16,] ours (float32)",
+        "what": "greedy self-distillation answers, same prompts, one process, in this order: "
+                + ", ".join(r["generator"] for r in runs) + " (ours: float32 unless named)",
         "state": {**state, "load_average_at_end": os.getloadavg(), "torch_threads": args.threads,
-                  "note": "2 shared cores; other helpers' jobs ran at the same time (see load averages)"},
+                  "note": args.note},
         "settings": {k: getattr(args, k) for k in ("prompts", "max_new_tokens", "max_prompt_tokens", "slots",
                                                     "hf_batch", "threads")},
         "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs],
@@ -134,7 +158,8 @@ def main() -> None:
         # other jobs on the 2 shared cores took from it, which changed between the runs
         "speedup_ours_float32_vs_transformers": {u: speedup(ours_float32, u) for u in ("tokens_per_s",
                                                                                       "tokens_per_cpu_s")},
-        "agreement_ours_vs_transformers": agreement(runs[0]["answers"], runs[1]["answers"]),
+        "agreement_ours_vs_transformers": (agreement(runs[0]["answers"], named["transformers"]["answers"])
+                                           if "transformers" in named else None),
         "agreement_ours_run1_vs_run2": agreement(runs[0]["answers"], runs[-1]["answers"]),
         **extra,
         "runtime_greedy_checks": checks,

@@ -30,7 +30,8 @@ def test_random_draft_is_lossless(smollm_random, baselines, prompt):
     assert spec.text == baselines[prompt].text
 
 
-@pytest.mark.parametrize("prompt", PROMPTS[:2])
+# prompts whose answers run past one block (the int8 default answers "What is 12 times 7?" in 11 tokens)
+@pytest.mark.parametrize("prompt", PROMPTS[::2])
 def test_oracle_draft_accepts_full_blocks_and_stays_lossless(smollm_random, baselines, prompt):
     base = baselines[prompt]
     vocab = smollm_random.target.config.vocab_size

@@ -131,12 +131,14 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.", "Ex
 
 @pytest.fixture(scope="module")
 def both(default_folder):
-    """The default target with the cpu-trained draft: quantized (the default) and float32 (opted out)."""
+    """The default target with the cpu-trained draft, as the float32 target (`--dtype float32`; the default
+    on a GGUF is int8 rows, test_quant8.py): float32 rows times its GGUF blocks, and float32 weights (opted out)."""
     import hetero_sd
     from hetero_sd.cli.policy import policy_from_env
 
-    quantized = hetero_sd.load("default", "cpu-trained", block_size=16)
-    plain = hetero_sd.load("default", "cpu-trained", block_size=16, policy=policy_from_env({"HETERO_SD_QUANT": "off"}))
+    quantized = hetero_sd.load("default", "cpu-trained", block_size=16, dtype="float32")
+    plain = hetero_sd.load("default", "cpu-trained", block_size=16, dtype="float32",
+                           policy=policy_from_env({"HETERO_SD_QUANT": "off"}))
     return quantized, plain
 
 

@@ -126,3 +126,40 @@ def test_int8_default_target_is_named_and_dflash_on_it_is_lossless(default_folde
     t.crop(len(ids) - 6)
     rows = torch.cat([t.forward([i], features=False).logits for i in ids[-6:]])
     assert torch.equal(block, rows)
+
+
+@pytest.mark.slow
+def test_a_gguf_target_on_the_cpu_is_int8_by_default_and_float32_on_request(default_folder, tiny_llama, monkeypatch):
+    from hetero_sd.backends.policy import LoadPolicy
+
+    assert hetero_sd.load("default", None).info["target_dtype"] == "int8"
+    assert hetero_sd.load("default", None, dtype="float32").info["target_dtype"] == "float32"
+    assert hetero_sd.load(str(tiny_llama), None).info["target_dtype"] == "float32"  # not from a GGUF
+    # no GGUF blocks allowed by the policy: the float32 target (its own note names the policy)
+    assert hetero_sd.load("default", None, policy=LoadPolicy(quant=False)).info["target_dtype"] == "float32"
+    # a CPU without the kernel: float32, and the note says the default could not be had and why
+    monkeypatch.setattr(quant8, "isa", lambda *a, **k: None)
+    rt = hetero_sd.load("default", None)
+    assert rt.info["target_dtype"] == "float32"
+    assert any("not the default int8" in n and "AVX2+FMA+F16C" in n for n in rt.notes)
+
+
+@pytest.mark.slow
+def test_batched_int8_answers_are_the_int8_targets_greedy_answers(default_folder):
+    """With torch's ops around the int8 blocks, as data generation runs them: the fused C++ ops round a few
+    floats differently, and int8 codes turn that into logits up to ~0.6 apart, so near-ties may go either way
+    there (benchmarks/datagen_speed.py --int8 measures that agreement)."""
+    from hetero_sd.backends.policy import LoadPolicy
+    from hetero_sd.train.batched import BatchedGenerator
+
+    rt = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(fused=False))
+    prompts = [(str(i), rt.tokenizer.encode(text)) for i, text in enumerate(
+        ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Water boils at"])]
+    # 2 slots for 5 prompts: rows leave and others are prefilled into their slots mid-run
+    gen = BatchedGenerator(default_folder, slots=2, max_new_tokens=12, max_prompt_tokens=16,
+                           stop_ids=rt.stop_ids, numerics="int8")
+    answers = {a.key: a.response_ids for a in gen.generate(prompts)}
+    for key, ids in prompts:
+        assert answers[key] == rt.generate(ids, max_new_tokens=12, stop_at_eos=True).token_ids, key
+    float32 = BatchedGenerator(default_folder, slots=2, max_new_tokens=12, max_prompt_tokens=16, stop_ids=rt.stop_ids)
+    assert float32.model.mm_head is not gen.model.mm_head and isinstance(gen.model.mm_head, quant8.Int8Blocks)

@@ -9,23 +9,29 @@ import torch
 from hetero_sd.models.config import ArchConfig, DraftConfig
 from hetero_sd.models import draft_vocab
 from hetero_sd.models.draft_format import check_tensors
-from hetero_sd.models.weights import load_weights
+from hetero_sd.models.weights import converted_from, load_weights
 
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
-from . import head
+from . import head, plan
 from .cpu import cpu_flags, native_bf16
 from .draft import TorchDraft
 from .module import DraftModule
 from .target import TorchTarget
 
-__all__ = ["DraftModule", "TorchDraft", "TorchTarget", "load_target", "load_draft", "default_dtype", "default_draft_dtype", "native_bf16"]
+__all__ = ["DraftModule", "TorchDraft", "TorchTarget", "load_target", "load_draft", "default_dtype", "default_draft_dtype", "default_target_numerics", "native_bf16"]
 
 
 def default_dtype(device: str) -> torch.dtype:
     # The target: float32 on the CPU (bf16 weights are a different target: outside the parity tests'
     # 1e-4 of the float32 model, so only on request); bfloat16 on accelerators.
     return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def default_target_numerics(folder: Path, device: str, policy: LoadPolicy = DEFAULT) -> tuple[str, str | None]:
+    """'int8' for a CPU target converted from a GGUF (when this CPU has the kernel), else 'float32'; and the
+    note that says why the default could not be had (plan.default_activations)."""
+    return plan.default_activations(converted_from(folder), device, policy, cpu_flags())
 
 
 def default_draft_dtype(device: str, target_dtype: torch.dtype, stored: torch.dtype | None = None) -> torch.dtype:

@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--target-device", default="cpu", help="cpu, cuda, cuda:N, mps")
     p.add_argument("--draft-device", default=None,
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
-    p.add_argument("--dtype", default=None, help="the target's: float32, bfloat16, float16, or int8 (rows x GGUF blocks, llama.cpp's numerics: another target) (default: per device)")
+    p.add_argument("--dtype", default=None, help="the target's: float32, bfloat16, float16, or int8 (rows x GGUF blocks, llama.cpp's numerics) (default: int8 for a GGUF target on the CPU, float32 for other CPU targets, bfloat16 on accelerators)")
     p.add_argument("--draft-dtype", default=None,
                    help="the draft's (default: the dtype it is stored in; a 16-bit draft in bfloat16 on CPUs with native "
                         "bf16, else the target's)")

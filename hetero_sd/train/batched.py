@@ -7,10 +7,12 @@ position: a row that reaches EOS leaves at once and the next prompt is prefilled
 every decode step does useful work for nearly every slot.
 
 The forward is the target's own (backends/torch_backend/target.py: TargetModel, the module the runtime
-runs), on a plan without packed copies, GGUF blocks or fused ops (plain [in, out] matrices: the fast layout
-for batched rows); only the batching is written here, as the model's ops strategy for the layer's attention:
-slots over one cache, and attention for one query per row. Greedy answers equal the runtime's own greedy
-decoding up to float rounding of batched matmuls."""
+runs), on a plan without packed copies or fused ops: float32 (plain [in, out] matrices: the fast layout for
+batched float32 rows), or `numerics="int8"`, the default CPU target of a GGUF (int8 rows x its GGUF blocks,
+llama.cpp's numerics: the kernel takes any number of rows and gives each row the bits it has alone). Only
+the batching is written here, as the model's ops strategy for the layer's attention: slots over one cache,
+and attention for one query per row. Greedy answers equal the runtime's own greedy decoding of that target
+up to float rounding of batched attention."""
 
 from __future__ import annotations
 
@@ -22,13 +24,17 @@ import torch
 
 from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.backends.torch_backend.layers import DecoderLayer, Rope, TorchOps, linear
-from hetero_sd.backends.torch_backend.plan import plan_target
+from hetero_sd.backends.torch_backend.cpu import cpu_flags
+from hetero_sd.backends.torch_backend.plan import FLOAT32, INT8, plan_target
 from hetero_sd.backends.torch_backend.target import build_target
 from hetero_sd.models.config import ArchConfig, read_json
-from hetero_sd.models.weights import load_weights
+from hetero_sd.errors import ConfigError
+from hetero_sd.models.weights import converted_from, load_weights
 
 # dense matrices and torch's ops: the plan for many rows at once (packing and blocks serve 1-64 rows)
 PLAIN = LoadPolicy(quant=False, fused=False, gemm=False, origin="batched data generation")
+# int8 rows x the GGUF blocks for every matrix, torch's ops around them (the fused ops serve one sequence)
+BLOCKS = LoadPolicy(fused=False, gemm=False, origin="batched data generation")
 
 
 @dataclass
@@ -43,12 +49,19 @@ class BatchedGenerator:
     """Greedy answers for many prompts: `generate(prompts)` yields an Answer as each one finishes."""
 
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32):
+                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32, numerics: str = FLOAT32):
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
         self.cfg, self.slots, self.max_new = cfg, slots, max_new_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
         self.dtype = dtype
-        plan = plan_target(cfg, None, "cpu", dtype, "float32", PLAIN, frozenset())
+        if numerics == INT8:
+            gguf = converted_from(folder)
+            if gguf is None:
+                raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
+                                  "is not one", "use --dtype float32, or the GGUF target")
+            plan = plan_target(cfg, gguf, "cpu", torch.float32, INT8, BLOCKS, cpu_flags())
+        else:
+            plan = plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
         self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, plan)
         self.positions = max_prompt_tokens + max_new_tokens
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)

@@ -34,9 +34,9 @@ def add_parser(sub) -> None:
                    help="with --distill: ShareGPT conversation openings only, or every human turn")
     t.add_argument("--mix-seed", type=int, default=0, help="with --distill: the order of the prompt mix")
     t.add_argument("--max-prompt-tokens", type=int, default=384, help="with --distill: longer prompts are left out")
-    t.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="with --distill: float32 answers are the runtime's greedy answers; bfloat16 ~2x faster, "
-                        "approximate")
+    t.add_argument("--gen-dtype", choices=["float32", "int8", "bfloat16"], default="float32",
+                   help="with --distill: the answers of the float32 target (the shards so far), of the int8 target "
+                        "(a GGUF's CPU default: int8 rows x its blocks, on its kernels), or bfloat16 (approximate)")
     t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     t.add_argument("--prompts", type=int,
                    help="training prompts to answer with the target (default 1600; with --distill: the whole mix)")

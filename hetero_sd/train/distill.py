@@ -143,7 +143,8 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
                     prompts: list[TrainPrompt] | None = None, dtype: str = "float32", log=print) -> dict:
     """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record.
     dtype "bfloat16" is ~2x faster here (AMX) but its greedy answers leave float32's at near-ties
-    (benchmarks/results/datagen_speed.json): labels of a slightly different model."""
+    (benchmarks/results/datagen_speed.json): labels of a slightly different model. "int8": the answers of the
+    default CPU target of a GGUF (int8 rows x its blocks), on that target's kernels."""
     from transformers import AutoTokenizer
 
     from hetero_sd.models.config import ArchConfig, read_json
@@ -164,7 +165,9 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     log(f"mix: {info}; {len(done)} answered before, {len(todo)} to answer")
     counts = {"too_long": 0}
     gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
-                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops, dtype=getattr(torch, dtype))
+                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops,
+                           dtype=torch.float32 if dtype == "int8" else getattr(torch, dtype),
+                           numerics="int8" if dtype == "int8" else "float32")
     meter = Meter(len(prompts), len(done), progress, counts)
     stop_on_term()
     buffer: list[Answer] = []
