@@ -4,7 +4,7 @@ prompts in one process, in the order ours, transformers, [ours in bfloat16,] our
 other jobs fall on both). Also checks that the answers agree: with each other, and for a few prompts with the runtime's own
 greedy decoding.
 
-    python benchmarks/datagen_speed.py --prompts 64 --max-new-tokens 256 --threads 1 \
+    python benchmarks/datagen_speed.py --prompts 64 --max-new-tokens 256 --threads 1 [--int8] [--no-transformers] \
         --out benchmarks/results/datagen_speed.json
 """
 
@@ -93,7 +93,7 @@ def main() -> None:
     from hetero_sd.train.distill import chat_ids
 
     folder = default_target_folder()
-    rt = hetero_sd.load("default", None)
+    rt = hetero_sd.load("default", None, dtype="float32")  # the float32 target (the CPU default on a GGUF is int8)
     stops = rt.stop_ids
     mix, _ = training_mix(seed=1)  # another order than the data job's (seed 0)
     prompts = [(p.key, chat_ids(rt.tokenizer, p.text)) for p in mix[:args.prompts * 2]]
@@ -125,11 +125,15 @@ def main() -> None:
         checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == runs[0]["answers"][key]})
     named = {r["generator"]: r for r in runs}
     if args.int8:
-        rt8 = hetero_sd.load("default", None, dtype="int8")
-        for key, ids in prompts[:args.runtime_checks]:
-            ref = rt8.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
-            checks.append({"key": key, "int8": True, "runtime_tokens": len(ref),
-                           "equal_to_ours": ref == named["ours-int8"]["answers"][key]})
+        from hetero_sd.backends.policy import LoadPolicy
+
+        # the int8 target as the runtime runs it (fused C++ ops) and with torch's ops, as generation runs it
+        for fused in (True, False):
+            rt8 = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(fused=fused))
+            for key, ids in prompts[:args.runtime_checks]:
+                ref = rt8.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
+                checks.append({"key": key, "int8": True, "runtime_fused_ops": fused, "runtime_tokens": len(ref),
+                               "equal_to_ours": ref == named["ours-int8"]["answers"][key]})
     base = named.get("transformers", runs[0])
 
     def speedup(run: dict, unit: str) -> float:
