@@ -164,8 +164,11 @@ def default_draft(draft: str | None, target: str, notes: list[str]) -> str | Non
 def cpu_trained_note(folder) -> str:
     done = json.loads(folder.joinpath("training.json").read_text())
     tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
-    return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f}; "
-            "weak: with block size 'auto' the controller decodes plainly wherever it does not pay")
+    # the training run's own figure: teacher-forced on its few held-out rows (a third of them code); simulated
+    # decoding on 256 held-out rows says 1.33 (chat 1.19, code 1.63: benchmarks/results/draft_vocab_tau.json)
+    return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f} "
+            "teacher-forced on its run's held-out rows; weak: with block size 'auto' the controller decodes "
+            "plainly wherever it does not pay")
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:
