@@ -15,6 +15,7 @@ class LoadPolicy:
     fused: bool = True  # the fused C++ layer ops on a float32 CPU target
     gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (else torch's matmul)
     draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
+    draft_int8_layers: bool = True  # ... and then its own matrices too, as Q8_0 blocks quantized at load
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU

@@ -6,6 +6,9 @@ each round's (block / decode step) ratio.
     python benchmarks/draft_vocab_costs.py --draft cpu-trained --reduced /tmp/dv4k /tmp/dv8k /tmp/dv16k \
         --json benchmarks/results/draft_vocab_costs.json
 
+`--variant HETERO_SD_DRAFT_LAYERS=float` adds the same draft loaded under that load policy (e.g. its own
+matrices in float32 instead of int8 rows x Q8_0 blocks), timed in the same rounds.
+
 The reduced drafts are made with `hetero-sd draft-vocab --draft cpu-trained --k K --out DIR`; each shares the
 target (and its GGUF head blocks) with the full draft, as `load` builds them (int8 head rows on the CPU)."""
 
@@ -41,6 +44,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variant", action="append", default=[], metavar="HETERO_SD_X=VALUE",
+                    help="also the draft under this load policy (repeatable)")
+    ap.add_argument("--load-note", default="shared: other helpers' tests and a niced training run were running, so "
+                                           "absolute times are inflated and indicative")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
@@ -48,6 +55,12 @@ def main() -> None:
     rt = hetero_sd.load("default", args.draft, block_size="fixed")
     target = rt.target
     drafts = {f"full ({rt.info['draft_head']})": rt.draft}
+    for variant in args.variant:
+        from hetero_sd.cli.policy import policy_from_env
+
+        name, _, value = variant.partition("=")
+        other = hetero_sd.load("default", args.draft, block_size="fixed", policy=policy_from_env({name: value}))
+        drafts[f"{variant} ({other.info['draft_head']})"] = other.draft
     for folder in args.reduced:
         cfg = DraftConfig.from_folder(Path(folder))
         d = torch_backend.load_draft(Path(folder), cfg, target, "cpu", rt.draft.dtype, rt.draft.mask_token_id)
@@ -69,15 +82,16 @@ def main() -> None:
             for b in blocks:
                 ratios[name][b].append(timed(lambda: d.propose(fill_ids(1, vocab)[0], size=b), args.repeats) / dec)
     out = {"what": "draft block cost in decode steps, full head vs reduced draft vocabularies, interleaved rounds",
-           "cpu": "2-core AMD EPYC (AVX2 only: no AVX-512/VNNI/AMX/bf16), shared: other helpers' tests and a niced "
-                  "training run were running, so absolute times are inflated and indicative; ratios were "
+           "cpu": f"{os.cpu_count()}-core, {torch.backends.cpu.get_cpu_capability()}; {args.load_note}; ratios were "
                   "measured in the same rounds",
+           "variants": args.variant,
            "lscpu_model": platform.processor() or subprocess.run(["sh", "-c", "lscpu | grep 'Model name'"],
                                                                  capture_output=True, text=True).stdout.strip(),
            "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
            "context": base, "rounds": args.rounds, "repeats_per_round": args.repeats,
            "decode_step_ms_median": round(statistics.median(decode) * 1e3, 3),
-           "draft_notes": {name: [n for n in getattr(d, "notes", []) if "head" in n] for name, d in drafts.items()},
+           "draft_notes": {name: [n for n in getattr(d, "notes", []) if "head" in n or "layers" in n]
+                           for name, d in drafts.items()},
            "block_in_decode_steps": {name: {b: round(statistics.median(v), 3) for b, v in r.items()}
                                      for name, r in ratios.items()}}
     full = next(iter(ratios))

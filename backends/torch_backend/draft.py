@@ -22,6 +22,7 @@ from .head import DraftHead, output_logits, sliced  # noqa: F401 (output_logits:
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm
+from . import quant8
 from .plan import WeightPlan
 
 
@@ -43,7 +44,10 @@ class DFlashDraft(nn.Module):
         self.register_buffer("norm", take(tensors, "norm.weight", (h,), where).to(device, dtype))
         plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
         plan.note_gemm_off()
-        multiply = (lambda name, weight_t: plan.dense(weight_t)) if pack else None
+        # where the head already multiplies int8 rows by blocks, the layers do too (plan.draft_blocks)
+        int8 = pack and policy.draft_int8_layers and isinstance(lm_head_mm, quant8.Int8Blocks)
+        own = plan.draft_blocks if int8 else plan.dense
+        multiply = (lambda name, weight_t: own(weight_t)) if pack else None
         self.layers = nn.ModuleList(
             DecoderLayer(arch, layer_weights(tensors, f"layers.{i}.", arch, where, device, dtype), multiply, kv=True)
             for i in range(arch.num_hidden_layers))
@@ -52,9 +56,9 @@ class DFlashDraft(nn.Module):
         self.register_buffer("lm_head", orient(lm_head.t().to(device, dtype)) if vocab_ids is None
                              else sliced(lm_head, vocab_ids, device, dtype), persistent=False)
         self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
-        self.mm_fc = plan.dense(self.fc) if pack else self.fc
+        self.mm_fc = own(self.fc) if pack else self.fc
         self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
-        self.notes: list[str] = plan.notes
+        self.notes: list[str] = plan.notes + ([layers_note(self)] if int8 else [])
         # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
         dflash2 = self.format.name == "dflash2"
         self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
@@ -106,6 +110,16 @@ class DFlashDraft(nn.Module):
         return rms_norm(h[0], self.norm, self.arch.rms_norm_eps)
 
 
+def layers_note(draft: DFlashDraft) -> str:
+    mms = [draft.mm_fc] + [getattr(layer, a) for layer in draft.layers for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down", "mm_kv")]
+    blocks = [m for m in mms if isinstance(m, quant8.Int8Blocks)]
+    if not blocks:
+        return "draft layers: float32"
+    return (f"draft layers: {len(blocks)} matrices as Q8_0 blocks quantized at load x int8 rows "
+            f"({sum(m.nbytes for m in blocks) / 1e6:.1f} MB instead of "
+            f"{sum(m.n * m.k * 4 for m in blocks) / 1e6:.1f} MB of float32; HETERO_SD_DRAFT_LAYERS=float opts out)")
+
+
 class TorchDraft(CacheOwner, DraftBackend):
     """The backend seam's draft on torch: the DFlashDraft module, its KV cache of the context and RoPE
     tables; `add_context`, `propose` (one block on the cached context) and, for training, `denoise`."""
@@ -154,8 +168,10 @@ class TorchDraft(CacheOwner, DraftBackend):
         """Weight bytes a block reads when its head is the target's GGUF blocks (the cost floor), else None."""
         if not getattr(self.mm_head, "blocks", False):
             return None
-        mats = [getattr(layer, a) for layer in self.layers for a in ("wqkv", "wo", "w_gate_up", "w_down")]
-        return self.mm_head.nbytes + sum(m.numel() * m.element_size() for m in mats)
+        mats = [(getattr(layer, w), getattr(layer, mm)) for layer in self.layers
+                for w, mm in (("wqkv", "mm_qkv"), ("wo", "mm_o"), ("w_gate_up", "mm_gate_up"), ("w_down", "mm_down"))]
+        return self.mm_head.nbytes + sum(mm.nbytes if isinstance(mm, quant8.Int8Blocks) else w.numel() * w.element_size()
+                                         for w, mm in mats)
 
     def fork(self) -> "TorchDraft":
         twin = copy.copy(self)

@@ -16,7 +16,8 @@ ISAS = ("avx2", "avx512")
 def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     """HETERO_SD_QUANT=off (float32 weights, not the GGUF's blocks), HETERO_SD_FUSED=off (torch ops for
     the layer), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
-    multiplies the target's own head), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
+    multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
+    dtype, not Q8_0 blocks times int8 rows), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
     target's whole head), HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
     on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
     thread: measures the inline rule of decoding/lanes.py)."""
@@ -32,6 +33,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       fused=given.get("HETERO_SD_FUSED", "on").lower() not in OFF,
                       gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
+                      draft_int8_layers=given.get("HETERO_SD_DRAFT_LAYERS", "int8") != "float",
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
                       quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),
                       amx_rows=None if amx is None else int(amx),
@@ -39,6 +41,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       origin=", ".join(f"{k}={v}" for k, v in sorted(given.items())))
 
 
-NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_QUANT_ISA",
+NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS",
+         "HETERO_SD_QUANT_ISA",
          "HETERO_SD_ATTEND_ISA", "HETERO_SD_AMX_ROWS", "HETERO_SD_DRAFT_VOCAB",
          "HETERO_SD_LANE_THREADS")
