@@ -47,3 +47,22 @@ def test_a_draft_without_an_int8_head_keeps_float32_layers(tiny_llama):
     rt = hetero_sd.load(str(tiny_llama), "random", block_size=4)
     assert not any(int8_matrices(rt))
     assert not any(n.startswith("draft layers") for n in rt.notes)
+
+
+@pytest.mark.slow
+def test_draft_block_attention_kernel_is_torchs_attention_within_float_rounding(default_folder):
+    """The non-causal block over the cached context through the fused C++ attention (every row sees all
+    start+T keys) gives torch's SDPA result within float32 rounding; float layers on both sides, so that
+    int8 codes do not amplify the rounding."""
+    from hetero_sd.backends.policy import LoadPolicy
+    from hetero_sd.decoding.costs import fill_ids
+
+    fast = hetero_sd.load("default", "cpu-trained", block_size=16, policy=LoadPolicy(draft_int8_layers=False))
+    ref = hetero_sd.load("default", "cpu-trained", block_size=16, policy=LoadPolicy(draft_int8_layers=False, fused=False))
+    assert fast.draft.model.attend_kernel is not None and ref.draft.model.attend_kernel is None
+    features = fast.target.fork().forward(fill_ids(300, fast.target.config.vocab_size)).features
+    for rt in (fast, ref):
+        rt.draft.add_context(features)
+    for size in (2, 5, 16):
+        torch.testing.assert_close(fast.draft.propose(7, size=size), ref.draft.propose(7, size=size),
+                                   rtol=0, atol=1e-4)

@@ -216,8 +216,8 @@ def test_held_out_rows_of_growing_shards_were_never_trained_on():
 
 
 def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_distilled):
-    """--init-from: step 0 of the warm start holds the earlier draft's weights (bf16 as saved), and a
-    draft of another shape is refused by name."""
+    """--init-from: step 0 of the warm start holds the earlier draft's weights (bf16 as saved), a draft of
+    another shape is refused by name, and another block size is not another shape (a block is rows)."""
     train(tiny_llama, self_distilled, tmp_path / "first", small_config(steps=6, eval_every=6))
     warm = train(tiny_llama, self_distilled, tmp_path / "warm", small_config(steps=1, eval_every=1, lr=0.0,
                                                                             init=str(tmp_path / "first")))
@@ -225,6 +225,10 @@ def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_di
     a, b = load_weights(tmp_path / "first"), load_weights(tmp_path / "warm")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
-    with pytest.raises(hetero_sd.errors.ConfigError, match="block_size"):
-        train(tiny_llama, self_distilled, tmp_path / "x", small_config(steps=1, block_size=8,
+    with pytest.raises(hetero_sd.errors.ConfigError, match="num_hidden_layers"):
+        train(tiny_llama, self_distilled, tmp_path / "x", small_config(steps=1, layers=2,
                                                                      init=str(tmp_path / "first")))
+    other = train(tiny_llama, self_distilled, tmp_path / "b8", small_config(steps=1, eval_every=1, lr=0.0, block_size=8,
+                                                                         init=str(tmp_path / "first")))
+    assert all(torch.equal(a[k], v) for k, v in load_weights(tmp_path / "b8").items() if k in a)
+    assert other["history"][-1]["step"] == 1

@@ -22,7 +22,9 @@ from .head import DraftHead, output_logits, sliced  # noqa: F401 (output_logits:
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm
-from . import quant8
+from . import fused, quant8
+from .cpu import cpu_flags
+from .kernels import KernelUnavailable
 from .plan import WeightPlan
 
 
@@ -58,6 +60,7 @@ class DFlashDraft(nn.Module):
         self.mm_head = (lm_head_mm if lm_head_mm is not None else plan.dense(self.lm_head)) if pack else self.lm_head
         self.mm_fc = own(self.fc) if pack else self.fc
         self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
+        self.attend_kernel = block_attend(arch, device, dtype, policy) if pack else None
         self.notes: list[str] = plan.notes + ([layers_note(self)] if int8 else [])
         # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
         dflash2 = self.format.name == "dflash2"
@@ -78,9 +81,10 @@ class DFlashDraft(nn.Module):
         """Layer i's K/V of the fused context features (no input norm on them: they feed k/v directly)."""
         return self.layers[i].project_kv(fused, cos, sin)
 
-    def forward(self, h: torch.Tensor, cos, sin, write, masks) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos, sin, write, masks, attend=None) -> torch.Tensor:
         """The block's rows h [1, T, H] through the layers (not yet final-normed). write(i, k, v): stores
-        layer i's block K/V after the context and returns all keys and values; masks: per layer."""
+        layer i's block K/V after the context and returns all keys and values; masks: per layer. attend(i, q):
+        layer i's attention output [1, T, nh*D] over what write stored (the C++ kernel), for unmasked layers."""
         eps = self.arch.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if self.convs is not None:
@@ -88,7 +92,11 @@ class DFlashDraft(nn.Module):
                 continue
             q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
             keys, values = write(i, k, v)
-            h = layer.attend(h, q, keys, values, masks[i])
+            if attend is not None and masks[i] is None:
+                h = h + linear(attend(i, q), layer.mm_o)
+                h = h + layer.mlp(rms_norm(h, layer.post_norm, eps))
+            else:
+                h = layer.attend(h, q, keys, values, masks[i])
         return h
 
     def denoise(self, features: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
@@ -108,6 +116,23 @@ class DFlashDraft(nn.Module):
 
         h = self(self.embed_block(block_ids[None]), cos, sin, write, [mask] * len(self.layers))
         return rms_norm(h[0], self.norm, self.arch.rms_norm_eps)
+
+
+def block_attend(arch, device: str, dtype: torch.dtype, policy: LoadPolicy):
+    """(the fused attention kernel, its AVX-512 flag) for a float32 CPU draft, else None (torch's SDPA): a block
+    of 2-16 rows over a few hundred context keys, where SDPA's setup is most of the cost (measured 26% of a
+    block of 4 on a 512-token context, 2-core EPYC AVX2). The kernel sums each row as torch does not, so the
+    draft's logits move by float rounding; its proposals are what the target verifies."""
+    if not policy.fused or device != "cpu" or dtype != torch.float32 or arch.head_dim not in (64, 128):
+        return None
+    flags = cpu_flags()
+    try:
+        ext = fused.extension()
+    except KernelUnavailable:
+        return None
+    if not ext.has_attend or not {"avx2", "fma"} <= flags:
+        return None
+    return ext.attend, "avx512f" in flags and policy.attend_isa != "avx2"
 
 
 def layers_note(draft: DFlashDraft) -> str:
@@ -189,7 +214,12 @@ class TorchDraft(CacheOwner, DraftBackend):
         # context and are never kept (length is not advanced).
         cos, sin = self.rope.at(position, size)
         masks = block_masks(self.format.attention, start, position, size, self.device)
-        h = self.model(self.model.embed_block(ids), cos, sin, lambda i, k, v: self.cache.write(i, start, k, v), masks)
+        attend = None
+        if self.model.attend_kernel is not None and self.convs is None:
+            kernel, wide = self.model.attend_kernel
+            attend = lambda i, q: kernel(q.contiguous(), self.cache.k[i], self.cache.v[i], start, wide, False)  # noqa: E731
+        h = self.model(self.model.embed_block(ids), cos, sin, lambda i, k, v: self.cache.write(i, start, k, v), masks,
+                       attend)
         self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
         logits = self.head(self.last_hidden)  # [size-1, vocab] float32, whole head or reduced (head.py)
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)

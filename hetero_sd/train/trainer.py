@@ -168,7 +168,8 @@ def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
     config must agree on everything that shapes the weights or the features they read."""
     from safetensors.torch import load_file
     old = read_json(folder / "config.json")
-    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
+    # block_size shapes no weight either (a block is rows of the same layers): a block-16 draft may go on at 8
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "dflash_config")
     # the head's reduced vocabulary (models/draft_vocab.py) shapes no trained weight: not compared
     plain = lambda c: {k: v for k, v in c.items() if k != "draft_vocab_size"} if isinstance(c, dict) else c  # noqa: E731

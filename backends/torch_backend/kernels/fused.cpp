@@ -319,9 +319,10 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
 }
 
 // q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128.
-// wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). Work items: a decode step's heads one
-// by one (9 items for 2 threads), a block's rows 4 at a time with every head of one K/V head.
-at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide) {
+// wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). causal=false: every row sees all
+// start+T keys (a DFlash draft's block over its context). Work items: a decode step's heads one by one
+// (9 items for 2 threads), a block's rows 4 at a time with every head of one K/V head.
+at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
   TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
@@ -345,7 +346,7 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
       int R = 0;
       for (int64_t t = t0; t < std::min(t0 + rows, T); ++t)
         for (int64_t h = h0; h < h0 + heads; ++h, ++R) {
-          qs[R] = qp + (h * T + t) * D; os[R] = op + t * nh * D + h * D; ns[R] = start + t + 1;
+          qs[R] = qp + (h * T + t) * D; os[R] = op + t * nh * D + h * D; ns[R] = causal ? start + t + 1 : start + T;
         }
       run(qs.data(), os.data(), ns.data(), R, kp + g * cap * D, vp + g * cap * D, scale, s.data(), ss, mx.data(), acc.data());
     }
@@ -374,7 +375,7 @@ __attribute__((target("avx2,fma"))) static void silu_mul_row(const float* g, con
 }
 #define HAS_VECTOR_SILU true
 #else
-at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
+at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
 #define HAS_ATTEND false
 #define HAS_VECTOR_SILU false
 static void silu_mul_row(const float*, const float*, int64_t, float*) {}
@@ -404,7 +405,7 @@ at::Tensor silu_mul(at::Tensor gu) {
 static bool has_attend() { return HAS_ATTEND; }
 
 TORCH_LIBRARY(hetero_sd_fused, m) {  // torch.ops.hetero_sd_fused.*: the dispatcher releases the GIL around a call
-  m.def("attend(Tensor q, Tensor kc, Tensor vc, int start, bool wide) -> Tensor");
+  m.def("attend(Tensor q, Tensor kc, Tensor vc, int start, bool wide, bool causal=True) -> Tensor");
   m.def("has_attend() -> bool", &has_attend);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
