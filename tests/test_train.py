@@ -232,3 +232,14 @@ def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_di
                                                                          init=str(tmp_path / "first")))
     assert all(torch.equal(a[k], v) for k, v in load_weights(tmp_path / "b8").items() if k in a)
     assert other["history"][-1]["step"] == 1
+
+
+def test_gamma_is_passed_down_and_refused_when_not_positive(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hetero_sd.cli", "train-draft", "--target", "default", "--out",
+                          str(tmp_path), "--gamma", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--gamma 0.0: the loss's position decay must be > 0" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert small_config(gamma=2.0).decay() == 2.0 and small_config(block_size=16).decay() == 7.0
