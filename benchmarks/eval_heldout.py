@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--curve", help="learning-curve JSON to append the --run point to")
     ap.add_argument("--held-out", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16, help="the block the floor and every draft are replayed at")
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
     ap.add_argument("--feature-cache", default="/work/train-out/features")
     ap.add_argument("--threads", type=int, default=1)
@@ -48,8 +49,8 @@ def main() -> None:
     held, rest = split_held_out(rows, args.held_out, 0)
     held = [r for r in held if len(r["response_ids"]) > 1]
     cpu0 = time.process_time()
-    result = {"held_out_rows": len(held), "max_tokens": args.max_tokens, "block_size": 16,
-              "ngram_floor": ngram_tau(NGramDraft(rest), held, 16, args.max_tokens)}
+    result = {"held_out_rows": len(held), "max_tokens": args.max_tokens, "block_size": args.block_size,
+              "ngram_floor": ngram_tau(NGramDraft(rest), held, args.block_size, args.max_tokens)}
     drafts = [(name, init_folder(name)) for name in args.draft]
     if args.run:
         drafts.append(("run", args.run))
@@ -60,7 +61,7 @@ def main() -> None:
             tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
             features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
                                     disk=Path(args.feature_cache) if args.feature_cache else None)
-        result[name] = draft_tau(Path(folder), features, held, args.max_tokens)
+        result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size)
     if features is not None and features.disk is not None:
         features.disk.flush()
     result["cpu_s"] = round(time.process_time() - cpu0, 1)
@@ -74,6 +75,7 @@ def main() -> None:
         curve = json.loads(Path(args.curve).read_text()) if Path(args.curve).is_file() else {"points": []}
         curve["points"].append({"step": at["step"], "blocks_trained": at.get("blocks_total"),
                                 "cpu_hours": round(at["cpu_s"] / 3600, 3), "teacher_forced_tau": at.get("held_out_tau"),
+                                "block_size": args.block_size,
                                 "simulated": result["run"], "ngram_floor": result["ngram_floor"],
                                 "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
         Path(args.curve).write_text(json.dumps(curve, indent=1) + "\n")

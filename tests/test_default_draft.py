@@ -25,7 +25,7 @@ def shipped(name: str) -> bool:
 def runtime(request, default_folder):
     if not shipped(request.param):
         pytest.skip(f"no {request.param!r} draft ships in this checkout")
-    return request.param, hetero_sd.load("default", request.param, block_size=16)  # tau at a fixed block
+    return request.param, hetero_sd.load("default", request.param, block_size="fixed")  # tau at its own fixed block
 
 
 @pytest.mark.slow

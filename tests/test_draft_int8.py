@@ -24,8 +24,8 @@ def int8_matrices(rt) -> list[bool]:
 
 @pytest.mark.slow
 def test_default_draft_layers_are_int8_blocks_and_propose_what_float32_does(default_folder):
-    rt = hetero_sd.load("default", "cpu-trained", block_size=16)
-    ref = hetero_sd.load("default", "cpu-trained", block_size=16,
+    rt = hetero_sd.load("default", "cpu-trained", block_size=8)
+    ref = hetero_sd.load("default", "cpu-trained", block_size=8,
                          policy=policy_from_env({"HETERO_SD_DRAFT_LAYERS": "float"}))
     assert all(int8_matrices(rt)) and not any(int8_matrices(ref))
     assert any(n.startswith("draft layers: 11 matrices as Q8_0 blocks") for n in rt.notes)
@@ -57,8 +57,8 @@ def test_draft_block_attention_kernel_is_torchs_attention_within_float_rounding(
     from hetero_sd.backends.policy import LoadPolicy
     from hetero_sd.decoding.costs import fill_ids
 
-    fast = hetero_sd.load("default", "cpu-trained", block_size=16, policy=LoadPolicy(draft_int8_layers=False))
-    ref = hetero_sd.load("default", "cpu-trained", block_size=16, policy=LoadPolicy(draft_int8_layers=False, fused=False))
+    fast = hetero_sd.load("default", "cpu-trained", block_size=8, policy=LoadPolicy(draft_int8_layers=False))
+    ref = hetero_sd.load("default", "cpu-trained", block_size=8, policy=LoadPolicy(draft_int8_layers=False, fused=False))
     assert fast.draft.model.attend_kernel is not None and ref.draft.model.attend_kernel is None
     features = fast.target.fork().forward(fill_ids(300, fast.target.config.vocab_size)).features
     for rt in (fast, ref):

@@ -136,8 +136,8 @@ def both(default_folder):
     import hetero_sd
     from hetero_sd.cli.policy import policy_from_env
 
-    quantized = hetero_sd.load("default", "cpu-trained", block_size=16, dtype="float32")
-    plain = hetero_sd.load("default", "cpu-trained", block_size=16, dtype="float32",
+    quantized = hetero_sd.load("default", "cpu-trained", block_size=8, dtype="float32")
+    plain = hetero_sd.load("default", "cpu-trained", block_size=8, dtype="float32",
                            policy=policy_from_env({"HETERO_SD_QUANT": "off"}))
     return quantized, plain
 

@@ -109,7 +109,7 @@ def test_int8_needs_a_cpu_target_from_a_gguf(tiny_llama):
 
 @pytest.mark.slow
 def test_int8_default_target_is_named_and_dflash_on_it_is_lossless(default_folder):
-    rt = hetero_sd.load("default", "cpu-trained", dtype="int8", block_size=16)
+    rt = hetero_sd.load("default", "cpu-trained", dtype="int8", block_size=8)
     assert rt.info["target_dtype"] == "int8" and rt.info["target_weights"].endswith("x int8 rows")
     assert any("a different target from the float32 one" in n for n in rt.notes)
     assert isinstance(rt.target.mm_head, quant8.Int8Blocks)

@@ -164,11 +164,12 @@ def default_draft(draft: str | None, target: str, notes: list[str]) -> str | Non
 def cpu_trained_note(folder) -> str:
     done = json.loads(folder.joinpath("training.json").read_text())
     tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
-    # the training run's own figure: teacher-forced on its few held-out rows (a third of them code); simulated
-    # decoding on 256 held-out rows says 1.33 (chat 1.19, code 1.63: benchmarks/results/draft_vocab_tau.json)
-    return (f"draft 'cpu-trained': {done['step']} training steps on a 2-core CPU, held-out tau {tau:.2f} "
-            "teacher-forced on its run's held-out rows; weak: with block size 'auto' the controller decodes "
-            "plainly wherever it does not pay")
+    # its last run's own figure: teacher-forced on a few held-out rows at its block size; simulated decoding on
+    # 256 held-out rows at block 8 says 1.41 (chat 1.33, code 1.55: benchmarks/results/training/b8g2-curve.json)
+    block = done["config"].get("block_size", 16)
+    return (f"draft 'cpu-trained': trained on a 2-core CPU (its last run: {done['step']} steps at block {block}), "
+            f"held-out tau {tau:.2f} teacher-forced on that run's held-out rows; weak: with block size 'auto' "
+            "the controller decodes plainly wherever it does not pay")
 
 
 def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> tuple[DraftConfig, dict, Path | None]:

@@ -86,10 +86,11 @@ def ngram_tau(table: NGramDraft, rows: list[dict], block: int, max_tokens: int) 
 
 
 @torch.no_grad()
-def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int) -> dict:
-    """Simulated decoding with the draft in `folder` as the runtime loads it; `features` is the trainer's
-    FeatureCache (its target and, with a disk store, the stored features)."""
+def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None) -> dict:
+    """Simulated decoding with the draft in `folder` as the runtime loads it, at its own block size or
+    `block`; `features` is the trainer's FeatureCache (its target and, with a disk store, the stored features)."""
     cfg = DraftConfig.from_folder(Path(folder))
+    cfg.block_size = block or cfg.block_size
     draft = load_draft(Path(folder), cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
     per_row = []
     for r in rows:
