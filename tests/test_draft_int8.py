@@ -63,6 +63,6 @@ def test_draft_block_attention_kernel_is_torchs_attention_within_float_rounding(
     features = fast.target.fork().forward(fill_ids(300, fast.target.config.vocab_size)).features
     for rt in (fast, ref):
         rt.draft.add_context(features)
-    for size in (2, 5, 16):
+    for size in (2, 5, 8):  # up to the draft's own block
         torch.testing.assert_close(fast.draft.propose(7, size=size), ref.draft.propose(7, size=size),
                                    rtol=0, atol=1e-4)

@@ -61,7 +61,8 @@ class DFlashDraft(nn.Module):
         self.mm_fc = own(self.fc) if pack else self.fc
         self.head = DraftHead(self.mm_head, cfg.format, vocab_ids, lm_head.shape[1])
         self.attend_kernel = block_attend(arch, device, dtype, policy) if pack else None
-        self.notes: list[str] = plan.notes + ([layers_note(self)] if int8 else [])
+        note = layers_note(self) if int8 else None
+        self.notes: list[str] = plan.notes + ([note] if note else [])
         # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
         dflash2 = self.format.name == "dflash2"
         self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
@@ -93,8 +94,7 @@ class DFlashDraft(nn.Module):
             q, k, v = layer.project_qkv(rms_norm(h, layer.in_norm, eps), cos, sin)
             keys, values = write(i, k, v)
             if attend is not None and masks[i] is None:
-                h = h + linear(attend(i, q), layer.mm_o)
-                h = h + layer.mlp(rms_norm(h, layer.post_norm, eps))
+                h = layer.finish(h, linear(attend(i, q), layer.mm_o))
             else:
                 h = layer.attend(h, q, keys, values, masks[i])
         return h
@@ -135,11 +135,12 @@ def block_attend(arch, device: str, dtype: torch.dtype, policy: LoadPolicy):
     return ext.attend, "avx512f" in flags and policy.attend_isa != "avx2"
 
 
-def layers_note(draft: DFlashDraft) -> str:
+def layers_note(draft: DFlashDraft) -> str | None:
+    """What the draft's own matrices are (None: all float32; plan.draft_blocks then noted why)."""
     mms = [draft.mm_fc] + [getattr(layer, a) for layer in draft.layers for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down", "mm_kv")]
     blocks = [m for m in mms if isinstance(m, quant8.Int8Blocks)]
     if not blocks:
-        return "draft layers: float32"
+        return None
     return (f"draft layers: {len(blocks)} matrices as Q8_0 blocks quantized at load x int8 rows "
             f"({sum(m.nbytes for m in blocks) / 1e6:.1f} MB instead of "
             f"{sum(m.n * m.k * 4 for m in blocks) / 1e6:.1f} MB of float32; HETERO_SD_DRAFT_LAYERS=float opts out)")

@@ -206,7 +206,11 @@ class DecoderLayer(nn.Module):
 
     def attend(self, h, q, keys, values, mask):
         """Attention output projected and added to the residual, then the MLP half of the layer."""
-        h = h + self.attention(q, keys, values, mask)
+        return self.finish(h, self.attention(q, keys, values, mask))
+
+    def finish(self, h, attended):
+        """The attention's projected output added to the residual, then the MLP half of the layer."""
+        h = h + attended
         return h + self.mlp(rms_norm(h, self.post_norm, self.cfg.rms_norm_eps))
 
     def attention(self, q, keys, values, mask):

@@ -130,17 +130,18 @@ class WeightPlan:
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
-        try:
-            name = quant8.isa(self.policy.quant_isa)
-            if name is None:
-                raise KernelUnavailable("this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C")
-            rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType.Q8_0)
-            return quant8.Int8Blocks(quant.Q8_0, rows, self.dense(weight_t), None, name, self.policy.amx_rows)
-        except KernelUnavailable as e:
-            note = f"draft layers: float32 (no int8 kernel: {e.summary})"
-            if note not in self.notes:
-                self.notes.append(note)
-            return self.dense(weight_t)
+        why = int8_kernel_missing(self.policy, None)
+        if why is None:
+            try:
+                rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+                return quant8.Int8Blocks(quant.Q8_0, rows, self.dense(weight_t), None,
+                                         quant8.isa(self.policy.quant_isa), self.policy.amx_rows)
+            except KernelUnavailable as e:
+                why = e.summary
+        note = f"draft layers: float32 (no int8 kernel: {why})"
+        if note not in self.notes:
+            self.notes.append(note)
+        return self.dense(weight_t)
 
     def without_blocks(self, why: str) -> "WeightPlan":
         note = f"{quant.NOTE}: float32 (the GGUF's Q4_1/Q8_0 blocks are not used: {why})"
@@ -159,6 +160,17 @@ class WeightPlan:
                 f"instead of {total * 4 / 1e6:.0f} MB of float32), {made[0].how}{prefill}")
 
 
+def int8_kernel_missing(policy: LoadPolicy, flags: frozenset[str] | None) -> str | None:
+    """Why the int8-row kernel cannot run on a CPU with these flags (None: this one's), or None when it can."""
+    if quant8.isa(policy.quant_isa, flags) is None:
+        return "this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C"
+    try:
+        quant8.extension()
+    except KernelUnavailable as e:
+        return e.summary
+    return None
+
+
 def default_activations(gguf, device: str, policy: LoadPolicy, flags: frozenset[str]) -> tuple[str, str | None]:
     """The numerics of a target loaded with no dtype asked: (FLOAT32 or INT8, a note when the default could not
     be had). A CPU target converted from a GGUF multiplies int8 rows by its blocks, as llama.cpp does: measured
@@ -166,14 +178,7 @@ def default_activations(gguf, device: str, policy: LoadPolicy, flags: frozenset[
     (benchmarks/results/int8_e2e_avx2_quiet.json); its prompt rows 1.38x. Everything else stays float32."""
     if device != "cpu" or gguf is None or not policy.quant:
         return FLOAT32, None
-    why = None
-    if quant8.isa(policy.quant_isa, flags) is None:
-        why = "this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C"
-    else:
-        try:
-            quant8.extension()
-        except KernelUnavailable as e:
-            why = e.summary
+    why = int8_kernel_missing(policy, flags)
     if why:
         return FLOAT32, (f"target numerics: float32, not the default int8 rows x GGUF blocks ({why}); "
                          "tokens are those of the float32 target, at its slower speed")
