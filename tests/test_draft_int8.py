@@ -50,16 +50,19 @@ def test_a_draft_without_an_int8_head_keeps_float32_layers(tiny_llama):
 
 
 @pytest.mark.slow
-def test_draft_block_attention_kernel_is_torchs_attention_within_float_rounding(default_folder):
-    """The non-causal block over the cached context through the fused C++ attention (every row sees all
-    start+T keys) gives torch's SDPA result within float32 rounding; float layers on both sides, so that
-    int8 codes do not amplify the rounding."""
+def test_draft_block_on_fused_ops_is_torchs_within_float_rounding(default_folder):
+    """The block through the target's fused layer ops (C++ norms, RoPE with the draft's q/k norms and the cache
+    write, SwiGLU, and the non-causal attention over the cached context: every row sees all start+T keys)
+    gives the torch ops' and SDPA's result within float32 rounding; float layers on both sides, so that int8
+    codes do not amplify the rounding (a missing q/k norm or a causal mask moves logits by whole units)."""
     from hetero_sd.backends.policy import LoadPolicy
     from hetero_sd.decoding.costs import fill_ids
 
     fast = hetero_sd.load("default", "cpu-trained", block_size=8, policy=LoadPolicy(draft_int8_layers=False))
     ref = hetero_sd.load("default", "cpu-trained", block_size=8, policy=LoadPolicy(draft_int8_layers=False, fused=False))
     assert fast.draft.model.attend_kernel is not None and ref.draft.model.attend_kernel is None
+    assert fast.draft.model.fused_ops is not None and ref.draft.model.fused_ops is None
+    assert fast.draft.layers[0].q_norm is not None  # the kernel's q/k norms are exercised
     features = fast.target.fork().forward(fill_ids(300, fast.target.config.vocab_size)).features
     for rt in (fast, ref):
         rt.draft.add_context(features)

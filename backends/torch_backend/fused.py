@@ -37,9 +37,10 @@ class FusedOps:
         self.attend, self.silu_mul, self.rope = ns.attend.default, ns.silu_mul.default, ns.rope_qkv.default
         self.has_attend = bool(ns.has_attend())
 
-    def rope_qkv(self, qkv, cos, sin, kc, vc, start: int, nh: int, nkv: int, views: bool) -> list:
-        """q with RoPE (k with RoPE and v written to the caches), and with `views` the caches over [0, start+T)."""
-        q = self.rope(qkv, cos, sin, kc, vc, start, nh, nkv)
+    def rope_qkv(self, qkv, cos, sin, kc, vc, start: int, nh: int, nkv: int, views: bool, norms=()) -> list:
+        """q with RoPE (k with RoPE and v written to the caches), and with `views` the caches over [0, start+T).
+        norms: (q_norm, k_norm, eps) for Qwen3-style layers (each head's row normed before RoPE)."""
+        q = self.rope(qkv, cos, sin, kc, vc, start, nh, nkv, *norms)
         if not views:
             return [q]
         end = start + qkv.shape[1]
@@ -70,9 +71,11 @@ class FusedLayerOps:
     """The layer's steps through these kernels: the strategy a target takes when its weight plan says
     `fused` (layers.TorchOps is the other; TorchTarget.forward_layers runs either)."""
 
-    def __init__(self, cfg, attend: bool, wide: bool):
+    def __init__(self, cfg, attend: bool, wide: bool, causal: bool = True):
+        """causal=False: every row sees the whole cache up to its block's end (a DFlash draft's block)."""
         self.k, self.eps = extension(), cfg.rms_norm_eps
         self.nh, self.nkv, self.attend, self.wide = cfg.num_attention_heads, cfg.num_key_value_heads, attend, wide
+        self.causal = causal
 
     def norm(self, h, w):
         return self.k.rms_norm(h, w, self.eps)
@@ -84,10 +87,12 @@ class FusedLayerOps:
     def attention(self, layer, x, cache, i: int, start: int, cos, sin, mask):
         """q|k|v, RoPE, the cache write, attention and o_proj on the normed input x."""
         kc, vc, qkv = cache.k[i], cache.v[i], linear(x, layer.mm_qkv)
-        if self.attend:  # causal, row by row: the same bits alone or in a verify block
-            o = self.k.attend(self.k.rope(qkv, cos, sin, kc, vc, start, self.nh, self.nkv), kc, vc, start, self.wide)
+        norms = () if layer.q_norm is None else (layer.q_norm, layer.k_norm, self.eps)
+        if self.attend:  # row by row: the same bits alone or in a verify block
+            q = self.k.rope(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, *norms)
+            o = self.k.attend(q, kc, vc, start, self.wide, self.causal)
         else:
-            q, keys, values = self.k.rope_qkv(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, True)
+            q, keys, values = self.k.rope_qkv(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, True, norms)
             o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                                  enable_gqa=self.nkv != self.nh).transpose(1, 2)
         return linear(o.reshape(1, -1, layer.nq), layer.mm_o)

@@ -122,6 +122,21 @@ class TorchOps:
         return layer.mlp(x)
 
 
+def through_layers(ops, walk, h, first_norm, cache: KVCache, start: int, cos, sin, mask, capture=()) -> tuple:
+    """Rows h [1, T, H] through the layers of `walk` ((layer, its post-attention norm, the next layer's input
+    norm or the final norm) each) with the ops strategy, their K/V written to `cache` at start..: (the rows
+    after the final norm, the residual stream after each layer in `capture`). The target's forward, and a
+    CPU draft's block on the fused ops."""
+    captured = []
+    x = ops.norm(h, first_norm)
+    for i, (layer, post_norm, next_norm) in enumerate(walk):
+        h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), post_norm)
+        h, x = ops.add_norm(h, ops.mlp(layer, x), next_norm)
+        if i in capture:
+            captured.append(h)
+    return x, captured
+
+
 class CacheOwner:
     """What the torch target and draft share: a KV cache to crop, a device to wait for."""
 

@@ -20,7 +20,8 @@ from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from . import fused
 from .cpu import cpu_flags
-from .layers import CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm
+from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
+                     through_layers)
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, plan_target
 
 
@@ -71,15 +72,8 @@ class TargetModel(nn.Module):
         norm, the layers' K/V going into `cache` through the ops strategy (default: the plan's; data
         generation passes its own for slot caches): (the normed last hidden states [rows, T, H], the hidden
         states of the layers in `capture`, in layer order)."""
-        ops, captured = ops or self.ops, []
-        h = F.embedding(ids, self.embed)
-        x = ops.norm(h, self.first_norm)
-        for i, (layer, post_norm, next_norm) in enumerate(self.walk):
-            h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), post_norm)
-            h, x = ops.add_norm(h, ops.mlp(layer, x), next_norm)
-            if i in capture:
-                captured.append(h)
-        return x, captured
+        return through_layers(ops or self.ops, self.walk, F.embedding(ids, self.embed), self.first_norm, cache,
+                              start, cos, sin, mask, capture)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [..., H] -> float32 logits [..., vocab], through the plan's head."""

@@ -87,21 +87,32 @@ static inline void rope_row(const float* x, const float* c, const float* s, int6
 
 // qkv [1, T, (nh + 2 nkv) * D] -> q [1, nh, T, D] with RoPE; k (with RoPE) and v written to the caches
 // [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
-// caller: an op's outputs do not alias its inputs).
+// caller: an op's outputs do not alias its inputs). With q_norm/k_norm (Qwen3-style layers: an RMSNorm of
+// each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
 at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, int64_t start,
-                    int64_t nh, int64_t nkv) {
+                    int64_t nh, int64_t nkv, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                    double eps) {
   auto x = qkv.contiguous();
   auto cs = cos.contiguous(), sn = sin.contiguous();
   const int64_t T = x.size(1), D = cs.size(-1), W = (nh + 2 * nkv) * D, cap = kc.size(2);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value() && D <= 256, "rope_qkv: both q/k norms or neither, D <= 256");
   auto q = at::empty({1, nh, T, D}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
   float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  float normed[256];
+  auto head = [&](const float* in, const float* w) -> const float* {
+    if (w == nullptr) return in;
+    norm_row(in, w, eps, D, normed);
+    return normed;
+  };
   for (int64_t t = 0; t < T; ++t) {
     const float* row = xp + t * W;
     const float *c = cp + t * D, *s = sp + t * D;
-    for (int64_t h = 0; h < nh; ++h) rope_row(row + h * D, c, s, D, qp + (h * T + t) * D);
+    for (int64_t h = 0; h < nh; ++h) rope_row(head(row + h * D, qn), c, s, D, qp + (h * T + t) * D);
     for (int64_t h = 0; h < nkv; ++h) {
-      rope_row(row + (nh + h) * D, c, s, D, kp + (h * cap + start + t) * D);
+      rope_row(head(row + (nh + h) * D, kn), c, s, D, kp + (h * cap + start + t) * D);
       std::memcpy(vp + (h * cap + start + t) * D, row + (nh + nkv + h) * D, D * sizeof(float));
     }
   }
@@ -409,7 +420,8 @@ TORCH_LIBRARY(hetero_sd_fused, m) {  // torch.ops.hetero_sd_fused.*: the dispatc
   m.def("has_attend() -> bool", &has_attend);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int nh, int nkv) -> Tensor");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int nh, int nkv, "
+        "Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hetero_sd_fused, CPU, m) {
