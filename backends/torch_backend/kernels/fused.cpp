@@ -332,7 +332,9 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
 // q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128.
 // wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). causal=false: every row sees all
 // start+T keys (a DFlash draft's block over its context). Work items: a decode step's heads one by one
-// (9 items for 2 threads), a block's rows 4 at a time with every head of one K/V head.
+// (9 items for 2 threads); a block of 2-4 rows head by head with all its rows (9 items: one item per K/V
+// head gave 3 items to 2 threads, a verify-2's attention cost 1.6x a decode step's); larger blocks 4 rows at
+// a time with every head of one K/V head. Grouping only shares memory traffic: a row's bits stay its own.
 at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
@@ -341,7 +343,7 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
   const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
-  const int64_t group = nh / nkv, rows = T == 1 ? 1 : 4, heads = T == 1 ? 1 : group;
+  const int64_t group = nh / nkv, rows = T <= 4 ? T : 4, heads = T <= 4 ? 1 : group;
   const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
   auto run = D == 64 ? (wide ? attend_rows<64, true> : attend_rows<64, false>)
                      : (wide ? attend_rows<128, true> : attend_rows<128, false>);
