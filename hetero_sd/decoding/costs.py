@@ -118,7 +118,7 @@ def fill_context(target: TargetBackend, draft: DraftBackend | None, context: int
 
 
 def measure_costs(target: TargetBackend, draft: DraftBackend | None, *, context: int = 512,
-                  ks=(1, 2, 4, 8, 16), blocks=(4, 8, 16), repeats: int = 5, machine: bool = False) -> Costs:
+                  ks=(1, 2, 4, 8, 16), blocks=(2, 4, 8, 16), repeats: int = 5, machine: bool = False) -> Costs:
     """Median seconds of a decode step, a verify of k tokens and a draft block of size b (see module doc).
     machine=True also measures the matmul peak and read bandwidth and computes each call's floor."""
     target_at = target.length
