@@ -14,6 +14,8 @@ from hetero_sd.backends.torch_backend import fused
 from hetero_sd.backends.torch_backend.layers import apply_rope, rms_norm
 from hetero_sd.backends.torch_backend.gemm import KernelUnavailable
 
+from .conftest import make_tiny_target
+
 
 @pytest.fixture(scope="module")
 def ext():
@@ -82,11 +84,33 @@ def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, s
         assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t, wide), got[:, t:t + 1])
 
 
-def test_fused_target_is_the_torch_op_target(tiny_llama, monkeypatch, ext):
+QWEN_STYLE = {"qwen3, q/k norms, SDPA": ("qwen3", {}), "qwen3, q/k norms, C++ attention": ("qwen3", {"head_dim": 64}),
+              "qwen2, q|k|v bias": ("qwen2", {})}
+
+
+@pytest.fixture(params=["llama"] + list(QWEN_STYLE), scope="module")
+def family_target(request, tiny_llama, tmp_path_factory):
+    if request.param == "llama":
+        return tiny_llama
+    model_type, overrides = QWEN_STYLE[request.param]
+    folder = make_tiny_target(tmp_path_factory.mktemp(model_type), model_type, **overrides)
+    if model_type == "qwen2":  # transformers initialises biases to zero: a dropped bias would go unseen
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(folder / "model.safetensors")
+        for name, t in tensors.items():
+            if name.endswith("_proj.bias"):
+                tensors[name] = torch.randn_like(t) * 0.5
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_fused_target_is_the_torch_op_target(family_target, ext):
+    """Llama's layers, Qwen3's (q/k norms inside the RoPE op; head_dim 64 takes the C++ attention too) and
+    Qwen2's (the q|k|v bias): the fused ops give the torch ops' logits and the same tokens."""
     prompt = [5, 9, 12, 20, 7, 33, 2, 14]
-    fast = hetero_sd.load(str(tiny_llama), "random:1", block_size=4)
+    fast = hetero_sd.load(str(family_target), "random:1", block_size=4)
     assert fast.target.fused
-    slow = hetero_sd.load(str(tiny_llama), "random:1", block_size=4, policy=LoadPolicy(fused=False))
+    slow = hetero_sd.load(str(family_target), "random:1", block_size=4, policy=LoadPolicy(fused=False))
     assert not slow.target.fused
     outs = []
     for rt in (fast, slow):

@@ -10,8 +10,9 @@ Numerics: the same float32 formulas as layers.py (HF Llama's RMSNorm: x * rsqrt(
 times the weight; RoPE x*cos + rotate_half(x)*sin; silu(g) = g / (1 + exp(-g))), summed in a fixed order
 per row: a row's result is the same alone or in any block of rows (decode and verify agree bit for bit,
 which lossless decoding rests on), and within the parity tests' tolerance of torch's own ops.
-Used for float32 CPU targets without q/k norms or biases (Llama-style: the embedded default), as the
-weight plan decides (plan.py; LoadPolicy.fused=False opts out); a kernel that does not build is announced.
+Used for float32 CPU targets (Llama-style like the embedded default; Qwen3's q/k norms are normed inside the
+RoPE op, Qwen2's q|k|v bias added by the q|k|v product) and for a CPU draft's block, as the weight plan
+decides (plan.py; LoadPolicy.fused=False opts out); a kernel that does not build is announced.
 The C++ is kernels/fused.cpp (torch.ops.hetero_sd_fused)."""
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ def fusable(cfg, device: str, dtype: torch.dtype, policy: LoadPolicy) -> tuple[b
     other devices and dtypes, and the policy's own opt-out, need no note)."""
     if not policy.fused or device != "cpu" or dtype != torch.float32:
         return False, None
-    if cfg.qk_norm or cfg.attention_bias:
-        return False, "fused layer ops not used: q/k norms or biases (Qwen-style layers) are not fused yet"
     try:
         extension()
     except KernelUnavailable as e:
@@ -86,7 +85,7 @@ class FusedLayerOps:
 
     def attention(self, layer, x, cache, i: int, start: int, cos, sin, mask):
         """q|k|v, RoPE, the cache write, attention and o_proj on the normed input x."""
-        kc, vc, qkv = cache.k[i], cache.v[i], linear(x, layer.mm_qkv)
+        kc, vc, qkv = cache.k[i], cache.v[i], linear(x, layer.mm_qkv, layer.bqkv)
         norms = () if layer.q_norm is None else (layer.q_norm, layer.k_norm, self.eps)
         if self.attend:  # row by row: the same bits alone or in a verify block
             q = self.k.rope(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, *norms)
