@@ -17,6 +17,7 @@ class LoadPolicy:
     draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
     draft_int8_layers: bool = True  # ... and then its own matrices too, as Q8_0 blocks quantized at load
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
+    kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
     quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
     amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)

@@ -76,14 +76,19 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--datasets", default="chat,math")
-    ap.add_argument("--float32", action="store_true", help="also our float32 target (the default numerics)")
+    ap.add_argument("--float32", action="store_true", help="also our float32 target")
+    ap.add_argument("--kv-float32", action="store_true",
+                    help="also the int8 target with a float32 K/V cache (the default keeps float16, as llama.cpp)")
     ap.add_argument("--json", default="benchmarks/results/llama_agreement.json")
     args = ap.parse_args()
     prompts = [p for d in args.datasets.split(",") for p in load_prompts(dataset=d)][:args.limit]
     threads = torch.get_num_threads()
     rts = {"int8": hetero_sd.load("default", None, dtype="int8")}
+    if args.kv_float32:
+        from hetero_sd.backends.policy import LoadPolicy
+        rts["int8, float32 KV"] = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(kv_f16=False))
     if args.float32:
-        rts["float32"] = hetero_sd.load("default", None)
+        rts["float32"] = hetero_sd.load("default", None, dtype="float32")
     gguf = rts["int8"].info["gguf"]
     rows = []
     for n, p in enumerate(prompts):

@@ -84,6 +84,27 @@ def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, s
         assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t, wide), got[:, t:t + 1])
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_float16_caches_are_read_and_written_as_their_float32_values(ext, wide):
+    """A float16 K/V cache (the int8 target's): RoPE writes each k and v rounded to nearest even, and the
+    attention reads them converted exactly, so its output is bit for bit that of a float32 cache holding the
+    same rounded values, causal or not, for 1-16 rows."""
+    if wide and "avx512f" not in fused.cpu_flags():
+        pytest.skip("the 16-lane attention kernel needs AVX-512F")
+    torch.manual_seed(0)
+    nh, nkv, dim, cap, start = 6, 2, 64, 320, 200
+    for steps in (1, 3, 16):
+        qkv, cos, sin = torch.randn(1, steps, (nh + 2 * nkv) * dim), torch.randn(steps, dim), torch.randn(steps, dim)
+        kf, vf = torch.randn(1, nkv, cap, dim).half().float(), torch.randn(1, nkv, cap, dim).half().float()
+        kh, vh = kf.half(), vf.half()
+        q = ext.rope(qkv, cos, sin, kf, vf, start, nh, nkv)
+        assert torch.equal(ext.rope(qkv, cos, sin, kh, vh, start, nh, nkv), q)
+        assert torch.equal(kh, kf.half()) and torch.equal(vh, vf.half())
+        kf, vf = kh.float(), vh.float()  # what the float16 cache holds
+        for causal in (True, False):
+            assert torch.equal(ext.attend(q, kh, vh, start, wide, causal), ext.attend(q, kf, vf, start, wide, causal))
+
+
 QWEN_STYLE = {"qwen3, q/k norms, SDPA": ("qwen3", {}), "qwen3, q/k norms, C++ attention": ("qwen3", {"head_dim": 64}),
               "qwen2, q|k|v bias": ("qwen2", {})}
 

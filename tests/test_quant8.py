@@ -129,6 +129,30 @@ def test_int8_default_target_is_named_and_dflash_on_it_is_lossless(default_folde
 
 
 @pytest.mark.slow
+def test_int8_target_keeps_a_float16_kv_cache_and_stays_lossless(default_folder):
+    """The int8 target keeps K/V in float16 as llama.cpp does (HETERO_SD_KV=float32 keeps float32): decode and
+    verify rows read the same stored values, so they still agree bit for bit, and DFlash on it is lossless."""
+    from hetero_sd.cli.policy import policy_from_env
+
+    rt = hetero_sd.load("default", "cpu-trained", block_size=8)
+    assert rt.target.cache.k[0].dtype == torch.float16 and rt.draft.cache.k[0].dtype == torch.float32
+    assert any(n.startswith("KV cache: float16") for n in rt.notes) and "float16 KV cache" in rt.info["weight_plan"]
+    t = rt.target.fork()
+    assert t.cache.k[0].dtype == torch.float16
+    ids = rt.tokenizer.encode("Explain what a hash table is, in two sentences.")
+    t.forward(ids[:-6], features=False)
+    block = t.forward(ids[-6:], features=False).logits
+    t.crop(len(ids) - 6)
+    assert torch.equal(block, torch.cat([t.forward([i], features=False).logits for i in ids[-6:]]))
+    prompt = "Write a Python function that checks whether a number is prime."
+    assert rt.generate(prompt, max_new_tokens=64).token_ids == \
+        rt.generate(prompt, max_new_tokens=64, speculative=False).token_ids
+    f32 = hetero_sd.load("default", None, policy=policy_from_env({"HETERO_SD_KV": "float32"}))
+    assert f32.target.cache.k[0].dtype == torch.float32 and not any(n.startswith("KV cache") for n in f32.notes)
+    assert hetero_sd.load("default", None, dtype="float32").target.cache.k[0].dtype == torch.float32
+
+
+@pytest.mark.slow
 def test_a_gguf_target_on_the_cpu_is_int8_by_default_and_float32_on_request(default_folder, tiny_llama, monkeypatch):
     from hetero_sd.backends.policy import LoadPolicy
 

@@ -43,6 +43,7 @@ class WeightPlan:
     fused: bool = False  # the fused C++ layer ops (fused.py) instead of torch's
     attend: bool = False  # the fused causal attention (x86-64 with AVX2+FMA, head_dim 64 or 128), else SDPA
     attend_wide: bool = False  # its 16-lane AVX-512 stages
+    kv_dtype: torch.dtype | None = None  # the K/V cache's, where it is not `dtype` (float16: llama.cpp's cache)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,6 +59,7 @@ class WeightPlan:
         parts = [self.weights]
         parts += ["packed float32 GEMM"] * (self.pack and not self.blocks)
         parts += ["fused layer ops"] * self.fused
+        parts += ["float16 KV cache"] * (self.kv_dtype == torch.float16)
         return ", ".join(parts)
 
     # ---- the multipliers, asked for by the modules while they are built ----
@@ -201,6 +203,14 @@ def plan_target(cfg, gguf, device: str, dtype: torch.dtype, activations: str, po
     if plan.fused:
         plan.attend = fused.extension().has_attend and cfg.head_dim in (64, 128) and {"avx2", "fma"} <= flags
         plan.attend_wide = plan.attend and "avx512f" in flags and policy.attend_isa != "avx2"
+    # llama.cpp's numerics keep K/V in float16: half the bytes a decode step's attention reads (~20% of a step
+    # at 512 tokens) and half the memory per position. Only where the C++ attention reads the cache (it converts
+    # as it loads); decode and verify read the same stored values, so they still agree bit for bit.
+    if plan.activations == INT8 and plan.attend and "f16c" in flags:
+        if policy.kv_f16:
+            plan.kv_dtype = torch.float16
+            plan.notes.append("KV cache: float16, as llama.cpp keeps it (half the bytes per position; "
+                              "HETERO_SD_KV=float32 keeps float32)")
     return plan
 
 

@@ -112,9 +112,10 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.notes: list[str] = self.plan.notes  # announced by the runtime (e.g. a kernel that did not build)
         self.weight_format, self.fused = self.plan.weights, self.plan.fused
         self.rope = Rope(cfg, device, dtype)
-        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, dtype, self.max_context)
+        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context)
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
+        named += ["float16 KV cache"] * (self.plan.kv_dtype == torch.float16)
         self.mode = ", ".join(named) or self.weight_format
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None

@@ -18,7 +18,8 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     the layer), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
     multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
     dtype, not Q8_0 blocks times int8 rows), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
-    target's whole head), HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
+    target's whole head), HETERO_SD_KV=float32 (the int8 target's K/V cache in float32, not float16),
+    HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
     on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
     thread: measures the inline rule of decoding/lanes.py)."""
     env = os.environ if environ is None else environ
@@ -35,13 +36,14 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
                       draft_int8_layers=given.get("HETERO_SD_DRAFT_LAYERS", "int8") != "float",
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
+                      kv_f16=given.get("HETERO_SD_KV", "float16") != "float32",
                       quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),
                       amx_rows=None if amx is None else int(amx),
                       lane_threads=given.get("HETERO_SD_LANE_THREADS") == "1",
                       origin=", ".join(f"{k}={v}" for k, v in sorted(given.items())))
 
 
-NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS",
+NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS", "HETERO_SD_KV",
          "HETERO_SD_QUANT_ISA",
          "HETERO_SD_ATTEND_ISA", "HETERO_SD_AMX_ROWS", "HETERO_SD_DRAFT_VOCAB",
          "HETERO_SD_LANE_THREADS")

@@ -100,8 +100,13 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
-  float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  float normed[256];
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
+              "rope_qkv: float32 or float16 caches");
+  const bool half = kc.scalar_type() == at::kHalf;  // a float16 cache (llama.cpp's): rows rounded to nearest even
+  float* qp = q.data_ptr<float>();
+  float *kp = half ? nullptr : kc.data_ptr<float>(), *vp = half ? nullptr : vc.data_ptr<float>();
+  at::Half *kh = half ? kc.data_ptr<at::Half>() : nullptr, *vh = half ? vc.data_ptr<at::Half>() : nullptr;
+  float normed[256], rotated[256];
   auto head = [&](const float* in, const float* w) -> const float* {
     if (w == nullptr) return in;
     norm_row(in, w, eps, D, normed);
@@ -112,8 +117,15 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
     const float *c = cp + t * D, *s = sp + t * D;
     for (int64_t h = 0; h < nh; ++h) rope_row(head(row + h * D, qn), c, s, D, qp + (h * T + t) * D);
     for (int64_t h = 0; h < nkv; ++h) {
-      rope_row(head(row + (nh + h) * D, kn), c, s, D, kp + (h * cap + start + t) * D);
-      std::memcpy(vp + (h * cap + start + t) * D, row + (nh + nkv + h) * D, D * sizeof(float));
+      const int64_t at = (h * cap + start + t) * D;
+      const float* v = row + (nh + nkv + h) * D;
+      if (!half) {
+        rope_row(head(row + (nh + h) * D, kn), c, s, D, kp + at);
+        std::memcpy(vp + at, v, D * sizeof(float));
+        continue;
+      }
+      rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
+      for (int64_t i = 0; i < D; ++i) { kh[at + i] = at::Half(rotated[i]); vh[at + i] = at::Half(v[i]); }
     }
   }
   return q;
@@ -127,14 +139,24 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
 // by one polynomial, sum and weighted values accumulated over j in order. Rows only share memory traffic:
 // a chunk of keys serves all rows of a work item while it is in L1 (attend_rows). AVX2, and a 16-lane
 // AVX-512 variant (~1.2x on a verify block; a machine uses one of them for every row).
-__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
 }
 
+// K/V rows as float32 or float16 (a float16 cache: converted as loaded, 8 or 16 lanes at a time)
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+__attribute__((target("avx512f"))) static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
 // e^x for -87 <= x <= 88 (Cephes expf: ~1 ulp; below -87 it gives e^-87), 8 lanes
-__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -152,7 +174,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
 
 // 8 keys' partial sums (one vector each) to their 8 scores by one transposing tree: every key is summed
 // ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)) wherever it sits in its group of 8
-__attribute__((target("avx2,fma"))) static inline __m256 reduce8(const __m256* a) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 reduce8(const __m256* a) {
   __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h4, 0x20), _mm256_permute2f128_ps(h0, h4, 0x31));
@@ -165,8 +187,8 @@ __attribute__((target("avx2,fma"))) static inline __m256 reduce8(const __m256* a
 
 // 8-lane stages. scores: s[j] = q.k_j * scale for j in [j0, j1) (j0 a multiple of 8; a group past the
 // last key repeats it: the max is unchanged), 8 independent sums reduced by reduce8; mx: 8 running maxima
-template <int D>
-__attribute__((target("avx2,fma"))) static void scores8(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t n,
+template <int D, typename KV>
+__attribute__((target("avx2,fma,f16c"))) static void scores8(const float* q, const KV* kc, int64_t j0, int64_t j1, int64_t n,
                                                          float scale, float* s, float* mx) {
   __m256 qv[D / 8];
   for (int d = 0; d < D; d += 8) qv[d / 8] = _mm256_loadu_ps(q + d);
@@ -174,9 +196,9 @@ __attribute__((target("avx2,fma"))) static void scores8(const float* q, const fl
   for (int64_t j = j0; j < j1; j += 8) {
     __m256 a[8];
     for (int u = 0; u < 8; ++u) {
-      const float* k = kc + std::min(j + u, n - 1) * D;
-      a[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-      for (int d = 8; d < D; d += 8) a[u] = _mm256_fmadd_ps(qv[d / 8], _mm256_loadu_ps(k + d), a[u]);
+      const KV* k = kc + std::min(j + u, n - 1) * D;
+      a[u] = _mm256_mul_ps(qv[0], load8(k));
+      for (int d = 8; d < D; d += 8) a[u] = _mm256_fmadd_ps(qv[d / 8], load8(k + d), a[u]);
     }
     const __m256 sc = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
     _mm256_storeu_ps(s + j, sc);
@@ -186,7 +208,7 @@ __attribute__((target("avx2,fma"))) static void scores8(const float* q, const fl
 }
 
 // s[j] <- e^(s[j] - max), in place, padded to the group of 8 with zeros; 1 / their sum
-__attribute__((target("avx2,fma"))) static float weights8(float* s, int64_t n, const float* mx) {
+__attribute__((target("avx2,fma,f16c"))) static float weights8(float* s, int64_t n, const float* mx) {
   float top = mx[0];
   for (int i = 1; i < 8; ++i) top = std::max(top, mx[i]);
   for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) s[j] = -INFINITY;  // e^-inf = 0
@@ -201,19 +223,19 @@ __attribute__((target("avx2,fma"))) static float weights8(float* s, int64_t n, c
 }
 
 // acc += sum_{j in [j0, j1)} s[j] v_j, over j in order (one chain per output lane)
-template <int D>
-__attribute__((target("avx2,fma"))) static void values8(const float* s, const float* vc, int64_t j0, int64_t j1, float* acc) {
+template <int D, typename KV>
+__attribute__((target("avx2,fma,f16c"))) static void values8(const float* s, const KV* vc, int64_t j0, int64_t j1, float* acc) {
   __m256 a[D / 8];
   for (int d = 0; d < D; d += 8) a[d / 8] = _mm256_loadu_ps(acc + d);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 w = _mm256_set1_ps(s[j]);
-    for (int d = 0; d < D; d += 8) a[d / 8] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vc + j * D + d), a[d / 8]);
+    for (int d = 0; d < D; d += 8) a[d / 8] = _mm256_fmadd_ps(w, load8(vc + j * D + d), a[d / 8]);
   }
   for (int d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, a[d / 8]);
 }
 
 template <int D>
-__attribute__((target("avx2,fma"))) static void finish8(const float* acc, float inv, float* o) {
+__attribute__((target("avx2,fma,f16c"))) static void finish8(const float* acc, float inv, float* o) {
   for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(inv)));
 }
 
@@ -250,8 +272,8 @@ __attribute__((target("avx512f"))) static inline __m512 reduce16(const __m512* a
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-template <int D>
-__attribute__((target("avx512f"))) static void scores16(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t n,
+template <int D, typename KV>
+__attribute__((target("avx512f"))) static void scores16(const float* q, const KV* kc, int64_t j0, int64_t j1, int64_t n,
                                                           float scale, float* s, float* mx) {
   __m512 qv[D / 16];
   for (int d = 0; d < D; d += 16) qv[d / 16] = _mm512_loadu_ps(q + d);
@@ -259,9 +281,9 @@ __attribute__((target("avx512f"))) static void scores16(const float* q, const fl
   for (int64_t j = j0; j < j1; j += 16) {
     __m512 a[16];
     for (int u = 0; u < 16; ++u) {
-      const float* k = kc + std::min(j + u, n - 1) * D;
-      a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int d = 16; d < D; d += 16) a[u] = _mm512_fmadd_ps(qv[d / 16], _mm512_loadu_ps(k + d), a[u]);
+      const KV* k = kc + std::min(j + u, n - 1) * D;
+      a[u] = _mm512_mul_ps(qv[0], load16(k));
+      for (int d = 16; d < D; d += 16) a[u] = _mm512_fmadd_ps(qv[d / 16], load16(k + d), a[u]);
     }
     const __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
     _mm512_storeu_ps(s + j, sc);
@@ -283,21 +305,21 @@ __attribute__((target("avx512f"))) static float weights16(float* s, int64_t n, c
 }
 
 // acc [even keys' D | odd keys' D] += s[j] v_j for j in [j0, j1); j0 even (chunks hold an even number of keys)
-template <int D>
-__attribute__((target("avx512f"))) static void values16(const float* s, const float* vc, int64_t j0, int64_t j1, float* acc) {
+template <int D, typename KV>
+__attribute__((target("avx512f"))) static void values16(const float* s, const KV* vc, int64_t j0, int64_t j1, float* acc) {
   __m512 ev[D / 16], od[D / 16];
   for (int d = 0; d < D; d += 16) { ev[d / 16] = _mm512_loadu_ps(acc + d); od[d / 16] = _mm512_loadu_ps(acc + D + d); }
   int64_t j = j0;
   for (; j + 1 < j1; j += 2) {
     const __m512 w0 = _mm512_set1_ps(s[j]), w1 = _mm512_set1_ps(s[j + 1]);
     for (int d = 0; d < D; d += 16) {
-      ev[d / 16] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vc + j * D + d), ev[d / 16]);
-      od[d / 16] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(vc + (j + 1) * D + d), od[d / 16]);
+      ev[d / 16] = _mm512_fmadd_ps(w0, load16(vc + j * D + d), ev[d / 16]);
+      od[d / 16] = _mm512_fmadd_ps(w1, load16(vc + (j + 1) * D + d), od[d / 16]);
     }
   }
   if (j < j1) {
     const __m512 w0 = _mm512_set1_ps(s[j]);
-    for (int d = 0; d < D; d += 16) ev[d / 16] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(vc + j * D + d), ev[d / 16]);
+    for (int d = 0; d < D; d += 16) ev[d / 16] = _mm512_fmadd_ps(w0, load16(vc + j * D + d), ev[d / 16]);
   }
   for (int d = 0; d < D; d += 16) { _mm512_storeu_ps(acc + d, ev[d / 16]); _mm512_storeu_ps(acc + D + d, od[d / 16]); }
 }
@@ -310,9 +332,9 @@ __attribute__((target("avx512f"))) static void finish16(const float* acc, float 
 
 // R rows (query vectors of one K/V head): q[r], their key counts n[r] -> o[r]. Per-row scratch: s (stride
 // ss floats), 16 maxima, 2D accumulators.
-template <int D, bool W>
-static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const float* kc,
-                        const float* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
+template <int D, bool W, typename KV>
+static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
+                        const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
   constexpr int64_t CH = D == 64 ? 64 : 32;  // keys per chunk: 16 KB of K (or V), kept in L1 across the rows
   int64_t most = 0;
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
@@ -320,33 +342,34 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
   std::fill(acc, acc + 2 * D * R, 0.0f);
   for (int64_t c = 0; c < most; c += CH)
     for (int r = 0; r < R; ++r)
-      if (c < n[r]) (W ? scores16<D> : scores8<D>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
+      if (c < n[r]) (W ? scores16<D, KV> : scores8<D, KV>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
   std::vector<float> inv(R);
   for (int r = 0; r < R; ++r) inv[r] = (W ? weights16 : weights8)(s + r * ss, n[r], mx + 16 * r);
   for (int64_t c = 0; c < most; c += CH)
     for (int r = 0; r < R; ++r)
-      if (c < n[r]) (W ? values16<D> : values8<D>)(s + r * ss, vc, c, std::min(c + CH, n[r]), acc + 2 * D * r);
+      if (c < n[r]) (W ? values16<D, KV> : values8<D, KV>)(s + r * ss, vc, c, std::min(c + CH, n[r]), acc + 2 * D * r);
   for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
 }
 
 // q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128.
+// Caches float32, or float16 (llama.cpp's KV cache: half the bytes; each value converted exactly as loaded).
 // wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). causal=false: every row sees all
 // start+T keys (a DFlash draft's block over its context). Work items: a decode step's heads one by one
 // (9 items for 2 threads); a block of 2-4 rows head by head with all its rows (9 items: one item per K/V
 // head gave 3 items to 2 threads, a verify-2's attention cost 1.6x a decode step's); larger blocks 4 rows at
 // a time with every head of one K/V head. Grouping only shares memory traffic: a row's bits stay its own.
-at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal) {
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
-  const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
-  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
+template <typename KV>
+static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
+                            bool causal) {
+  const int64_t nh = q.size(1), T = q.size(2), D = q.size(3);
   auto o = at::empty({1, T, nh * D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   float* op = o.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t group = nh / nkv, rows = T <= 4 ? T : 4, heads = T <= 4 ? 1 : group;
   const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
-  auto run = D == 64 ? (wide ? attend_rows<64, true> : attend_rows<64, false>)
-                     : (wide ? attend_rows<128, true> : attend_rows<128, false>);
+  auto run = D == 64 ? (wide ? attend_rows<64, true, KV> : attend_rows<64, false, KV>)
+                     : (wide ? attend_rows<128, true, KV> : attend_rows<128, false, KV>);
   at::parallel_for(0, nkv * per_g, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = rows * heads;
     std::vector<float> s(most * ss), mx(16 * most), acc(2 * D * most);
@@ -366,6 +389,17 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
   });
   return o;
 }
+at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
+  const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
+              "attend: float32 or float16 caches");
+  if (kc.scalar_type() == at::kHalf)
+    return attend_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal);
+  return attend_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal);
+}
+
 #define HAS_ATTEND true
 
 // silu(g) * u = g / (1 + e^-g) * u, 8 lanes (e^x by exp8's polynomial, clamped to [-87, 88])
