@@ -85,6 +85,20 @@ class DFlashDraft(nn.Module):
         h = F.embedding(ids, self.embed)
         return h * self.format.input_embedding_scale if self.format.input_embedding_scale != 1.0 else h
 
+    def add_context(self, features: torch.Tensor, cache: KVCache, start: int, cos, sin) -> None:
+        """Context features [T, L*H] fused and projected to every layer's K/V, written to `cache` at start..:
+        on the fused ops where the block runs on them (a few C++ calls instead of ~50 torch ops per catch-up,
+        which a decoding step pays before every block), else in torch ops."""
+        ops = self.fused_ops
+        if ops is None:
+            fused = self.fuse(features)
+            for i in range(len(self.layers)):
+                cache.write(i, start, *self.context_kv(fused, cos, sin, i))
+            return
+        fused = ops.norm(linear(features.to(self.fc.device, self.fc.dtype)[None], self.mm_fc), self.hidden_norm)
+        for i, layer in enumerate(self.layers):
+            ops.context_kv(layer, fused, cache, i, start, cos, sin)
+
     def context_kv(self, fused: torch.Tensor, cos, sin, i: int):
         """Layer i's K/V of the fused context features (no input norm on them: they feed k/v directly)."""
         return self.layers[i].project_kv(fused, cos, sin)
@@ -186,10 +200,7 @@ class TorchDraft(CacheOwner, DraftBackend):
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
         self.cache.reserve(start + count + self.block_size)
-        fused = self.model.fuse(features)
-        cos, sin = self.rope.at(start, count)
-        for i in range(len(self.layers)):
-            self.cache.write(i, start, *self.model.context_kv(fused, cos, sin, i))
+        self.model.add_context(features, self.cache, start, *self.rope.at(start, count))
         self.cache.length = start + count
 
     def weights(self) -> ModelWeights:

@@ -98,3 +98,9 @@ class FusedLayerOps:
 
     def mlp(self, layer, x):
         return linear(self.k.silu_mul(linear(x, layer.mm_gate_up)), layer.mm_down)
+
+    def context_kv(self, layer, x, cache, i: int, start: int, cos, sin) -> None:
+        """A draft's context: k (k-normed, with RoPE) and v of the fused features x into the caches at start..
+        (the RoPE op with no query heads)."""
+        norms = () if layer.k_norm is None else (layer.k_norm, layer.k_norm, self.eps)
+        self.k.rope(linear(x, layer.mm_kv, layer.bkv), cos, sin, cache.k[i], cache.v[i], start, 0, self.nkv, *norms)

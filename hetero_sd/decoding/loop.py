@@ -107,7 +107,10 @@ class DraftFault(RuntimeError):
 
 
 def checked(logits):
-    if not torch.isfinite(logits_of(logits)).all():
+    # one reduction: a NaN or an infinity anywhere makes the sum non-finite (torch.isfinite(x).all() took
+    # ~0.1 ms a block on a 49k-column row, ~1.5% of a decoding step on the 2-core EPYC). Finite logits of
+    # a reduced head's rows at draft_vocab.FLOOR (-1e30) sum to ~-4e36 at 16 rows x 262k columns: still finite.
+    if not torch.isfinite(logits_of(logits).sum()):
         raise DraftFault("the draft produced non-finite logits (NaN or inf)")
     return logits
 
