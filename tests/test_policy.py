@@ -26,6 +26,9 @@ def test_the_cli_reads_the_variables_and_names_them():
         policy_from_env({"HETERO_SD_QUANT_ISA": "sse"})
     with pytest.raises(ConfigError, match="HETERO_SD_AMX_ROWS='many'"):
         policy_from_env({"HETERO_SD_AMX_ROWS": "many"})
+    with pytest.raises(ConfigError, match="HETERO_SD_KV='f32'"):
+        policy_from_env({"HETERO_SD_KV": "f32"})
+    assert not policy_from_env({"HETERO_SD_KV": "float32"}).kv_f16 and policy_from_env({}).kv_f16
 
 
 def test_no_backend_reads_a_switch_from_the_environment():

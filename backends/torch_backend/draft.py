@@ -21,7 +21,7 @@ from .dflash2 import Selector, conv_layer, layer_convs
 from .head import DraftHead, output_logits, sliced  # noqa: F401 (output_logits: its home was here)
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
-from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm, through_layers
+from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, linear, orient, rms_norm, layer_walk, through_layers
 from . import fused, quant8
 from .cpu import cpu_flags
 from .kernels import KernelUnavailable
@@ -66,8 +66,7 @@ class DFlashDraft(nn.Module):
         plain = all(a.plain for a in self.format.attention) and all(layer.bqkv is None for layer in self.layers)
         self.fused_ops = (fused.FusedLayerOps(arch, True, self.attend_kernel[1], causal=False)
                           if self.attend_kernel is not None and plain and self.format.name != "dflash2" else None)
-        following = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
-        self.walk = tuple((layer, layer.post_norm, norm) for layer, norm in zip(self.layers, following))
+        self.walk = layer_walk(self.layers, self.norm)
         note = layers_note(self) if int8 else None
         self.notes: list[str] = plan.notes + ([note] if note else [])
         # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.

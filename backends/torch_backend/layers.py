@@ -122,6 +122,13 @@ class TorchOps:
         return layer.mlp(x)
 
 
+def layer_walk(layers, final_norm) -> tuple:
+    """(layer, its post-attention norm, the next layer's input norm or `final_norm`) per layer: what
+    `through_layers` walks."""
+    following = [layer.in_norm for layer in layers[1:]] + [final_norm]
+    return tuple((layer, layer.post_norm, norm) for layer, norm in zip(layers, following))
+
+
 def through_layers(ops, walk, h, first_norm, cache: KVCache, start: int, cos, sin, mask, capture=()) -> tuple:
     """Rows h [1, T, H] through the layers of `walk` ((layer, its post-attention norm, the next layer's input
     norm or the final norm) each) with the ops strategy, their K/V written to `cache` at start..: (the rows

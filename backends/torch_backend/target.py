@@ -21,7 +21,7 @@ from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from . import fused
 from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
-                     through_layers)
+                     layer_walk, through_layers)
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, plan_target
 
 
@@ -52,8 +52,7 @@ class TargetModel(nn.Module):
         # The forward's walk as plain references to the registered weights: nn.Module's attribute lookup costs
         # ~1 us a read, ~100 reads a decode step. Each layer with its post-attention norm and the next norm
         # (the next layer's input norm, or the final norm after the last layer).
-        following = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
-        self.walk = tuple((layer, layer.post_norm, norm) for layer, norm in zip(self.layers, following))
+        self.walk = layer_walk(self.layers, self.norm)
         self.first_norm = self.layers[0].in_norm
         # the layer's steps: torch ops, or the same steps as fused C++ ops (fused.py), as the plan says
         self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if plan.fused else TorchOps(cfg.rms_norm_eps)

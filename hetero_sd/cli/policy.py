@@ -27,6 +27,9 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     for name in ("HETERO_SD_QUANT_ISA", "HETERO_SD_ATTEND_ISA"):
         if name in given and given[name] not in ISAS:
             raise ConfigError(f"{name}={given[name]!r} is not an instruction set here", f"use one of {', '.join(ISAS)}")
+    if given.get("HETERO_SD_KV", "float16") not in ("float16", "float32"):
+        raise ConfigError(f"HETERO_SD_KV={given['HETERO_SD_KV']!r} is not a K/V cache type",
+                          "use HETERO_SD_KV=float16 (the default) or HETERO_SD_KV=float32")
     amx = given.get("HETERO_SD_AMX_ROWS")
     if amx is not None and not amx.isdigit():
         raise ConfigError(f"HETERO_SD_AMX_ROWS={amx!r} is not a row count", "use a whole number >= 0 (0: never AMX)")
