@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class LoadPolicy:
     quant: bool = True  # a target converted from a GGUF multiplies decode/verify rows by its Q4_1/Q8_0 blocks
     fused: bool = True  # the fused C++ layer ops on a float32 CPU target
+    stack: bool = True  # ... walking all the layers of a GGUF-block target (and a CPU draft's block) in one C++ call
     gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (else torch's matmul)
     draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
     draft_int8_layers: bool = True  # ... and then its own matrices too, as Q8_0 blocks quantized at load

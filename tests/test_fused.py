@@ -143,3 +143,57 @@ def test_fused_target_is_the_torch_op_target(family_target, ext):
     base = slow.generate(prompt, max_new_tokens=40, speculative=False).token_ids
     assert fast.generate(prompt, max_new_tokens=40, speculative=False).token_ids == base
     assert fast.generate(prompt, max_new_tokens=40).token_ids == base  # DFlash through the fused layers
+
+
+@pytest.mark.parametrize("rows", ["int8", "float32"])
+@pytest.mark.parametrize("style", ["llama", "qwen3 norms + qwen2 bias"])
+def test_the_one_call_walk_is_bitwise_the_python_walk(ext, rows, style):
+    """FusedLayerOps.layers (kernels/fused.cpp `layers`) runs the same kernels in the same order as the walk in
+    Python: the same bits for the rows, the captured layers and both caches, for int8 rows (quant8.Int8Blocks,
+    float16 caches) and float32 rows (quant.Quantized), with q/k norms and a q|k|v bias or without; more rows
+    than a float32-rows product takes (a prefill) walk in Python."""
+    from types import SimpleNamespace
+
+    from hetero_sd.backends.torch_backend import quant, quant8
+    from hetero_sd.backends.torch_backend.layers import KVCache, through_layers
+
+    from .test_quant import random_rows
+
+    if (quant8 if rows == "int8" else quant).isa() is None:
+        pytest.skip("no GGUF-block kernel on this CPU")
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5)
+    H, I, g = 256, 512, torch.Generator().manual_seed(0)
+    make = quant8.Int8Blocks if rows == "int8" else quant.Quantized
+    qwen = style != "llama"
+
+    def matrix(n, k, seed):
+        kind = quant.Q4_1 if seed % 2 else quant.Q8_0  # both kinds in one walk
+        blocks = random_rows(kind, n, k, seed)
+        return make(kind, blocks, quant.dequantize(kind, blocks).t().contiguous())
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+    layers = [SimpleNamespace(mm_qkv=matrix(H + 256, H, 4 * i), mm_o=matrix(H, H, 4 * i + 1),
+                              mm_gate_up=matrix(2 * I, H, 4 * i + 2), mm_down=matrix(H, I, 4 * i + 3),
+                              bqkv=torch.randn(H + 256, generator=g) * 0.5 if qwen else None,
+                              q_norm=norm(64) if qwen else None, k_norm=norm(64) if qwen else None,
+                              in_norm=norm(H), post_norm=norm(H), nq=H) for i in range(3)]
+    walk = tuple((layer, layer.post_norm, nxt) for layer, nxt in zip(layers, [x.in_norm for x in layers[1:]] + [norm(H)]))
+    cache_dtype = torch.float16 if rows == "int8" else torch.float32
+    theta = 1 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    angles = torch.outer(torch.arange(200).float(), theta)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    results = []
+    for stack in (False, True):
+        ops = fused.FusedLayerOps(cfg, True, False, stack=stack)
+        cache, out = KVCache(cfg, 3, "cpu", cache_dtype, 512), []
+        start = 0
+        for T in (70, 1, 5):  # a prefill (float32 rows: more than the product takes), a decode, a verify
+            h = torch.randn(1, T, H, generator=torch.Generator().manual_seed(T))
+            x, captured = through_layers(ops, walk, h, layers[0].in_norm, cache, start, cos[start:start + T],
+                                         sin[start:start + T], None, capture=(0, 2))
+            out += [x, *captured]
+            start += T
+        results.append(out + cache.k + cache.v)
+        assert (list(ops.stacks.values())[0][1] is not None) if stack else not ops.stacks
+    assert len(results[0]) == len(results[1]) == 3 * 3 + 6 and all(torch.equal(a, b) for a, b in zip(*results))

@@ -29,6 +29,7 @@ def test_the_cli_reads_the_variables_and_names_them():
     with pytest.raises(ConfigError, match="HETERO_SD_KV='f32'"):
         policy_from_env({"HETERO_SD_KV": "f32"})
     assert not policy_from_env({"HETERO_SD_KV": "float32"}).kv_f16 and policy_from_env({}).kv_f16
+    assert not policy_from_env({"HETERO_SD_STACK": "off"}).stack and policy_from_env({}).stack
 
 
 def test_no_backend_reads_a_switch_from_the_environment():

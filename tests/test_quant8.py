@@ -153,6 +153,29 @@ def test_int8_target_keeps_a_float16_kv_cache_and_stays_lossless(default_folder)
 
 
 @pytest.mark.slow
+def test_the_default_target_and_draft_walk_their_layers_in_one_call(default_folder):
+    """The int8 default target (and its CPU draft's block) walk all layers in one C++ call (fused.py
+    `layers`), named in the weight plan; HETERO_SD_STACK=off walks them op by op from Python: bitwise the same
+    logits, features and draft block, the same tokens."""
+    from hetero_sd.cli.policy import policy_from_env
+
+    one = hetero_sd.load("default", "default", block_size=4)
+    walked = hetero_sd.load("default", "default", block_size=4, policy=policy_from_env({"HETERO_SD_STACK": "off"}))
+    assert "one-call layer walk" in one.info["weight_plan"] and "one-call" not in walked.info["weight_plan"]
+    ids = one.tokenizer.encode("Write a Python function that checks whether a number is prime.")
+    outs = []
+    for rt in (one, walked):
+        t, d = rt.target.fork(), rt.draft.fork()
+        prefill, verify = t.forward(ids), t.forward(ids[:5])
+        d.add_context(torch.cat([prefill.features, verify.features]))
+        outs.append([prefill.logits, prefill.features, verify.logits, verify.features, d.propose(ids[5])])
+        assert bool(t.ops.stacks) == (rt is one)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    prompt = "Explain what a hash table is."
+    assert one.generate(prompt, max_new_tokens=48).token_ids == walked.generate(prompt, max_new_tokens=48).token_ids
+
+
+@pytest.mark.slow
 def test_a_gguf_target_on_the_cpu_is_int8_by_default_and_float32_on_request(default_folder, tiny_llama, monkeypatch):
     from hetero_sd.backends.policy import LoadPolicy
 

@@ -64,7 +64,7 @@ class DFlashDraft(nn.Module):
         # a plain DFlash block on a float32 CPU: the target's fused layer ops (norms, RoPE with the q/k norms and
         # the cache write, SwiGLU in C++; non-causal attention), ~45 torch ops fewer per block (half a block of 2)
         plain = all(a.plain for a in self.format.attention) and all(layer.bqkv is None for layer in self.layers)
-        self.fused_ops = (fused.FusedLayerOps(arch, True, self.attend_kernel[1], causal=False)
+        self.fused_ops = (fused.FusedLayerOps(arch, True, self.attend_kernel[1], causal=False, stack=policy.stack)
                           if self.attend_kernel is not None and plain and self.format.name != "dflash2" else None)
         self.walk = layer_walk(self.layers, self.norm)
         note = layers_note(self) if int8 else None

@@ -35,6 +35,7 @@ class FusedOps:
 
     def __init__(self, ns):
         self.rms_norm, self.add_rms_norm = ns.rms_norm.default, ns.add_rms_norm.default
+        self.layers = ns.layers.default
         self.attend, self.silu_mul, self.rope = ns.attend.default, ns.silu_mul.default, ns.rope_qkv.default
         self.has_attend = bool(ns.has_attend())
 
@@ -70,11 +71,33 @@ class FusedLayerOps:
     """The layer's steps through these kernels: the strategy a target takes when its weight plan says
     `fused` (layers.TorchOps is the other; TorchTarget.forward_layers runs either)."""
 
-    def __init__(self, cfg, attend: bool, wide: bool, causal: bool = True):
-        """causal=False: every row sees the whole cache up to its block's end (a DFlash draft's block)."""
+    def __init__(self, cfg, attend: bool, wide: bool, causal: bool = True, stack: bool = True):
+        """causal=False: every row sees the whole cache up to its block's end (a DFlash draft's block).
+        stack=False: never the one-call walk of `layers` (LoadPolicy.stack; comparisons)."""
         self.k, self.eps = extension(), cfg.rms_norm_eps
         self.nh, self.nkv, self.attend, self.wide = cfg.num_attention_heads, cfg.num_key_value_heads, attend, wide
-        self.causal = causal
+        self.causal, self.stack = causal, stack
+        self.stacks: dict[int, tuple] = {}  # id(walk) -> (walk, its native arguments or None)
+
+    def layers(self, walk, h, first_norm, cache, start: int, cos, sin, capture) -> tuple | None:
+        """(the rows after the final norm, the captured residual streams): the whole walk in one C++ call
+        (kernels/fused.cpp `layers`: the same kernels in the same order, so bitwise the walk in Python,
+        without its ~270 calls' dispatch: ~1.3-1.7 ms of a decode step on the 2-core EPYC); None where it
+        does not apply (the caller walks in Python): SDPA attention, a row batch, a matrix that is not GGUF
+        blocks (training's plain tensors), more rows than a float32-rows block product takes."""
+        if not (self.stack and self.attend and h.shape[0] == 1):
+            return None
+        held = self.stacks.get(id(walk))
+        if held is None or held[0] is not walk:
+            held = self.stacks[id(walk)] = (walk, native_walk(walk))
+        args = held[1]
+        if args is None or h.shape[1] > args[-1]:
+            return None
+        mats, modes, amx, ns, biases, norms, qk_norms, _ = args
+        out = self.k.layers(h, first_norm, mats, modes, amx, ns, biases, norms, qk_norms, cache.k[:len(walk)],
+                            cache.v[:len(walk)], cos, sin, start, self.nh, self.nkv, self.eps, self.wide,
+                            self.causal, sorted(capture))
+        return out[0], out[1:]
 
     def norm(self, h, w):
         return self.k.rms_norm(h, w, self.eps)
@@ -104,3 +127,30 @@ class FusedLayerOps:
         (the RoPE op with no query heads)."""
         norms = () if layer.k_norm is None else (layer.k_norm, layer.k_norm, self.eps)
         self.k.rope(linear(x, layer.mm_kv, layer.bkv), cos, sin, cache.k[i], cache.v[i], start, 0, self.nkv, *norms)
+
+
+def native_walk(walk) -> tuple | None:
+    """The walk's weights as the `layers` op takes them (lists built once), or None when a matrix is not
+    GGUF blocks with a native product. The last item: the most rows every product takes."""
+    from . import quant, quant8
+
+    mats, modes, amx, ns, biases, norms, qk_norms, rows = [], [], [], [], [], [], [], 1 << 30
+    empty = torch.empty(0)
+    for layer, post_norm, next_norm in walk:
+        for name in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down"):
+            mm = getattr(layer, name)
+            if not isinstance(mm, quant.Quantized):
+                return None
+            int8 = isinstance(mm, quant8.Int8Blocks)
+            mats.append(mm.packed)
+            modes.append(4 * int8 + 2 * mm.avx512 + (mm.kind == quant.Q4_1))
+            amx.append(mm.amx_rows if int8 else 0)
+            ns.append(mm.n)
+            rows = rows if int8 else min(rows, quant.MAX_ROWS)
+        biases.append(empty if layer.bqkv is None else layer.bqkv)
+        norms += [post_norm, next_norm]
+        if layer.q_norm is not None:
+            qk_norms += [layer.q_norm, layer.k_norm]
+    if qk_norms and len(qk_norms) != 2 * len(walk):
+        return None
+    return mats, modes, amx, ns, biases, norms, qk_norms, rows

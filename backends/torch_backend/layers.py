@@ -121,6 +121,10 @@ class TorchOps:
     def mlp(self, layer: "DecoderLayer", x):
         return layer.mlp(x)
 
+    def layers(self, walk, h, first_norm, cache: "KVCache", start: int, cos, sin, capture) -> tuple | None:
+        """The whole walk in one native call, where a strategy has one (fused.FusedLayerOps); None: walk here."""
+        return None
+
 
 def layer_walk(layers, final_norm) -> tuple:
     """(layer, its post-attention norm, the next layer's input norm or `final_norm`) per layer: what
@@ -134,6 +138,9 @@ def through_layers(ops, walk, h, first_norm, cache: KVCache, start: int, cos, si
     norm or the final norm) each) with the ops strategy, their K/V written to `cache` at start..: (the rows
     after the final norm, the residual stream after each layer in `capture`). The target's forward, and a
     CPU draft's block on the fused ops."""
+    native = ops.layers(walk, h, first_norm, cache, start, cos, sin, capture)
+    if native is not None:
+        return native
     captured = []
     x = ops.norm(h, first_norm)
     for i, (layer, post_norm, next_norm) in enumerate(walk):

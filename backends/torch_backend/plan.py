@@ -59,6 +59,7 @@ class WeightPlan:
         parts = [self.weights]
         parts += ["packed float32 GEMM"] * (self.pack and not self.blocks)
         parts += ["fused layer ops"] * self.fused
+        parts += ["one-call layer walk"] * bool(self.fused and self.attend and self.blocks and self.policy.stack)
         parts += ["float16 KV cache"] * (self.kv_dtype == torch.float16)
         return ", ".join(parts)
 

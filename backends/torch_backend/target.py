@@ -55,7 +55,8 @@ class TargetModel(nn.Module):
         self.walk = layer_walk(self.layers, self.norm)
         self.first_norm = self.layers[0].in_norm
         # the layer's steps: torch ops, or the same steps as fused C++ ops (fused.py), as the plan says
-        self.ops = fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if plan.fused else TorchOps(cfg.rms_norm_eps)
+        self.ops = (fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide, stack=plan.policy.stack) if plan.fused
+                    else TorchOps(cfg.rms_norm_eps))
 
     def matrices(self) -> list:
         """What a decode step multiplies by: the head, then each layer's four matrices."""

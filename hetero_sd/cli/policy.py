@@ -15,7 +15,8 @@ ISAS = ("avx2", "avx512")
 
 def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     """HETERO_SD_QUANT=off (float32 weights, not the GGUF's blocks), HETERO_SD_FUSED=off (torch ops for
-    the layer), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
+    the layer), HETERO_SD_STACK=off (the fused ops called one by one from Python, not the whole walk in one
+    C++ call), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
     multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
     dtype, not Q8_0 blocks times int8 rows), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
     target's whole head), HETERO_SD_KV=float32 (the int8 target's K/V cache in float32, not float16),
@@ -35,6 +36,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
         raise ConfigError(f"HETERO_SD_AMX_ROWS={amx!r} is not a row count", "use a whole number >= 0 (0: never AMX)")
     return LoadPolicy(quant=given.get("HETERO_SD_QUANT", "on").lower() not in OFF,
                       fused=given.get("HETERO_SD_FUSED", "on").lower() not in OFF,
+                      stack=given.get("HETERO_SD_STACK", "on").lower() not in OFF,
                       gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
                       draft_int8_layers=given.get("HETERO_SD_DRAFT_LAYERS", "int8") != "float",
@@ -46,7 +48,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       origin=", ".join(f"{k}={v}" for k, v in sorted(given.items())))
 
 
-NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS", "HETERO_SD_KV",
+NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_STACK", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS", "HETERO_SD_KV",
          "HETERO_SD_QUANT_ISA",
          "HETERO_SD_ATTEND_ISA", "HETERO_SD_AMX_ROWS", "HETERO_SD_DRAFT_VOCAB",
          "HETERO_SD_LANE_THREADS")
