@@ -29,6 +29,9 @@ from hetero_sd.train.distill import load_distilled  # noqa: E402
 from hetero_sd.train.evaluate import draft_tau  # noqa: E402
 from hetero_sd.train.trainer import FeatureCache, split_held_out  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from int8_ab import lscpu  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,11 +47,11 @@ def main() -> None:
     rows = load_distilled(Path(args.distill), target)
     held = [r for r in split_held_out(rows, 256, 0)[0] if len(r["response_ids"]) > 1][:args.rows]
     layers = read_json(folder / "config.json")["dflash_config"]["target_layer_ids"]
-    result = {"command": "python " + " ".join(sys.argv), "cpu": cpu_flags() and torch.backends.cpu.get_cpu_capability(),
+    cfg = ArchConfig.from_dict(read_json(target / "config.json"))
+    result = {"command": "python " + " ".join(sys.argv), "lscpu": lscpu(),
               "draft": str(folder), "rows": len(held), "block_size": args.block_size}
     for name, activations in (("float32 rows (training's features)", "float32"), ("int8 rows (the runtime's)", "int8")):
         features = FeatureCache(target, layers, budget_bytes=1 << 34)  # in memory: computed by this target
-        cfg = ArchConfig.from_dict(read_json(target / "config.json"))
         features.target = TorchTarget(cfg, load_weights(target), target, "cpu", torch.float32, layers, None,
                                       activations, DEFAULT, cpu_flags())
         began = time.process_time()

@@ -54,12 +54,18 @@ class WeightPlan:
         kinds = "/".join(sorted({kind for kind, _ in self.blocks.values()}))
         return f"{kinds} blocks from the GGUF" + (" x int8 rows" if self.activations == INT8 else "")
 
+    @property
+    def one_call_walk(self) -> bool:
+        """Whether the fused ops walk all the layers in one C++ call (fused.FusedLayerOps.layers): GGUF blocks
+        on the C++ attention, unless the policy says no."""
+        return bool(self.fused and self.attend and self.blocks and self.policy.stack)
+
     def describe(self) -> str:
         """One line for stats and the cost key: the formats and ops chosen."""
         parts = [self.weights]
         parts += ["packed float32 GEMM"] * (self.pack and not self.blocks)
         parts += ["fused layer ops"] * self.fused
-        parts += ["one-call layer walk"] * bool(self.fused and self.attend and self.blocks and self.policy.stack)
+        parts += ["one-call layer walk"] * self.one_call_walk
         parts += ["float16 KV cache"] * (self.kv_dtype == torch.float16)
         return ", ".join(parts)
 

@@ -116,7 +116,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         named += ["float16 KV cache"] * (self.plan.kv_dtype == torch.float16)
-        named += ["one-call layer walk"] * ("one-call layer walk" in self.plan.describe())
+        named += ["one-call layer walk"] * self.plan.one_call_walk
         self.mode = ", ".join(named) or self.weight_format
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None
