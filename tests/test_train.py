@@ -242,4 +242,8 @@ def test_gamma_is_passed_down_and_refused_when_not_positive(tmp_path):
                           str(tmp_path), "--gamma", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "--gamma 0.0: the loss's position decay must be > 0" in out.stderr
     assert "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hetero_sd.cli", "train-draft", "--target", "default", "--out",
+                          str(tmp_path), "--short-blocks", "1.5"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--short-blocks 1.5: a share of the blocks, 0 to 1" in out.stderr
+    assert "Traceback" not in out.stderr
     assert small_config(gamma=2.0).decay() == 2.0 and small_config(block_size=16).decay() == 7.0

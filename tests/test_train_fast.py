@@ -51,6 +51,33 @@ def test_split_forward_is_the_inference_forward(tmp_path, tiny_llama):
         torch.testing.assert_close(fast[row], draft.propose(int(tokens[anchor])), rtol=1e-4, atol=1e-4)
 
 
+def test_short_blocks_train_what_a_shorter_propose_runs(tmp_path, tiny_llama):
+    """A block of length L < B (--short-blocks): its first L-1 logits are the runtime's `propose(size=L)`
+    (what the block-size controller drafts), not the full block's; the loss reads only those positions."""
+    import random
+    from hetero_sd.train.trainer import block_labels, block_lengths
+    raw, target, model = trained_like(tiny_llama)
+    folder = write_draft(tmp_path / "d", raw, dict(model.state_dict()), dtype=torch.float32)
+    draft = load_draft(folder, DraftConfig.from_folder(folder), target, "cpu", torch.float32, 3)
+    tokens, features = torch.randint(0, 64, (30,)), torch.randn(30, 2 * 64)
+    anchors, lengths = torch.tensor([20, 3, 12, 13, 27, 7]), torch.tensor([2, 5, 3, 4, 2, 5])
+    with torch.no_grad():
+        short = model.logits(SplitForward(model, group=4)(features, tokens, anchors, lengths))
+        full = model.logits(SplitForward(model, group=4)(features, tokens, anchors))
+    for row, (anchor, length) in enumerate(zip(anchors.tolist(), lengths.tolist())):
+        draft.crop(0)
+        draft.add_context(features[:anchor])
+        torch.testing.assert_close(short[row, :length - 1], draft.propose(int(tokens[anchor]), size=length),
+                                   rtol=1e-4, atol=1e-4)
+        if length < 5:  # the rows it cut were in the full block's attention: position 1 differs
+            assert not torch.allclose(short[row, 0], full[row, 0], rtol=1e-4, atol=1e-4)
+    labels = block_labels(tokens, anchors, 5, None, lengths)
+    assert ((labels != -100).sum(1) == torch.minimum(lengths - 1, 30 - 1 - anchors)).all()
+    assert block_lengths(random.Random(0), 8, 5, 0.0) is None
+    drawn = block_lengths(random.Random(0), 4000, 8, 0.5)
+    assert set(drawn.tolist()) == set(range(2, 9)) and 0.45 < (drawn == 8).float().mean() < 0.55
+
+
 def test_split_forward_gradients_match_the_dense_forward(tiny_llama):
     raw, target, model = trained_like(tiny_llama)
     tokens, features, anchors = torch.randint(0, 64, (24,)), torch.randn(24, 2 * 64), torch.tensor([4, 9, 15, 20])
@@ -152,6 +179,10 @@ def test_every_anchor_and_the_schedule(tmp_path, tiny_llama):
     assert resumed[0]["step"] == 7
     assert [r["lr"] for r in resumed] == pytest.approx([1e-3 * lr_factor(s, TrainConfig(**{**cfg, "steps": 9}))
                                                         for s in range(6, 9)])
+    short = []  # short blocks train the same anchors (their loss over fewer positions)
+    train(tiny_llama, rows, tmp_path / "s", TrainConfig(**cfg, short_blocks=0.5), progress=short.append)
+    assert [r["blocks"] for r in short] == [2 * 11] * 6 and all(r["loss"] > 0 for r in short)
+    assert [r["loss"] for r in short] != [r["loss"] for r in logged]
 
 
 def test_replayed_decoding_and_the_ngram_floor():

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
     t.add_argument("--gamma", type=float,
                    help="loss weight of block position k: exp(-(k-1)/gamma) (default: DFlash's 7 at block 16, 4 at 8); "
                         "small values put the loss on the first positions, the only ones a weak draft gets accepted")
+    t.add_argument("--short-blocks", type=float, default=0.0,
+                   help="share of blocks trained at a random shorter length 2..B-1 (0..1): the block-size "
+                        "controller drafts 2..B, and a draft trained only at B reads position 1 worse in short blocks")
     t.add_argument("--pack", type=int, default=1,
                    help="sequences per forward, packed end to end with a mask that keeps them apart")
     t.add_argument("--device", default="cpu", help="cpu, cuda or mps: where the draft trains")
@@ -100,6 +103,8 @@ def train_command(args: argparse.Namespace) -> None:
     if args.gamma is not None and not args.gamma > 0:
         raise ConfigError(f"--gamma {args.gamma}: the loss's position decay must be > 0",
                           "use e.g. 2 (the first positions) or 7 (DFlash's default at block 16)")
+    if not 0 <= args.short_blocks <= 1:
+        raise ConfigError(f"--short-blocks {args.short_blocks}: a share of the blocks, 0 to 1", "use e.g. 0.5")
     if args.cache_features and not (args.distill and args.feature_cache):
         raise ConfigError("--cache-features fills a feature cache from --distill data",
                           "add --distill DIR --feature-cache DIR")
@@ -173,7 +178,7 @@ def init_folder(name: str) -> str:
 def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace) -> None:
     cfg = TrainConfig(block_size=args.block_size, layers=args.layers, steps=args.steps, lr=args.lr,
                       accumulate=args.accumulate, anchors=args.anchors, gamma=args.gamma,
-                      eval_every=args.eval_every, seed=args.seed,
+                      short_blocks=args.short_blocks, eval_every=args.eval_every, seed=args.seed,
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,

@@ -14,6 +14,9 @@ Here the two parts are computed apart and merged exactly:
 The softmax runs over the two score sets side by side ([B, S_group + B] per block): the same as a
 log-sum-exp merge of the two partial attentions, written as one softmax so autograd handles it.
 
+Blocks may be shorter than B (`lengths`): a block of L keeps its first L rows as keys, as `propose(size=L)`
+runs it (the block-size controller drafts 2..B); its rows from L on are computed and ignored by the loss.
+
 Everything else is the draft layer as inference computes it: fc + hidden_norm on the context features,
 q/k norms, RoPE at the block's true positions, SwiGLU, pre-norm residuals, the final norm. The weights are
 read from the trainer's parameters under their z-lab names, so what trains is what `write_draft` saves and
@@ -38,8 +41,9 @@ def supports(cfg) -> bool:
 
 
 class SplitForward:
-    """hidden = SplitForward(model)(features, tokens, anchors): [n, B-1, H] for block positions 1..B-1,
-    final-normed (what the lm_head turns into draft logits), as `TrainingDraft.__call__` returns."""
+    """hidden = SplitForward(model)(features, tokens, anchors[, lengths]): [n, B-1, H] for block positions
+    1..B-1, final-normed (what the lm_head turns into draft logits), as `TrainingDraft.__call__` returns.
+    lengths [n] (default all B): each block's length, 2..B."""
 
     def __init__(self, model, group: int = GROUP):
         self.model, self.group = model, group
@@ -52,7 +56,8 @@ class SplitForward:
     def w(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
 
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
         m, b = self.model, self.model.block_size
         dev = m.device
         features, tokens, anchors = features.to(dev), tokens.to(dev), anchors.to(dev)
@@ -68,8 +73,10 @@ class SplitForward:
         cos_all, sin_all = self.rope.at(0, max(s, int(positions.max()) + 1))
         ctx_cos, ctx_sin = cos_all[:s], sin_all[:s]
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]  # [n, 1, B, hd]
+        # keys past a short block's length: out of its attention ([n, B], True = hidden)
+        cut = None if lengths is None else torch.arange(b, device=dev)[None, :] >= lengths.to(dev)[order][:, None]
         for i in range(self.arch.num_hidden_layers):
-            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted)
+            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted, cut)
         out = rms_norm(h[:, 1:], self.w("norm.weight"), self.eps)
         return out[torch.argsort(order)]  # back to the caller's anchor order
 
@@ -77,7 +84,7 @@ class SplitForward:
         key = f"{name}.weight"
         return rms_norm(x, self.w(key), self.eps) if key in self.names else x
 
-    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors):
+    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors, cut=None):
         p = f"layers.{i}."
         n, b, hid = h.shape
         wq, wk, wv = (self.w(p + f"self_attn.{x}_proj.weight") for x in "qkv")
@@ -90,13 +97,13 @@ class SplitForward:
         k = self.qk_norm((x @ wk.t()).view(n, b, self.nkv, self.hd).transpose(1, 2), p + "self_attn.k_norm")
         v = (x @ wv.t()).view(n, b, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [n, heads, B, hd]
-        o = self.attention(q, k, v, kc, vc, anchors)  # [n, nh, B, hd]
+        o = self.attention(q, k, v, kc, vc, anchors, cut)  # [n, nh, B, hd]
         h = h + o.transpose(1, 2).reshape(n, b, -1) @ self.w(p + "self_attn.o_proj.weight").t()
         x = rms_norm(h, self.w(p + "post_attention_layernorm.weight"), self.eps)
         gate, up = x @ self.w(p + "mlp.gate_proj.weight").t(), x @ self.w(p + "mlp.up_proj.weight").t()
         return h + (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").t()
 
-    def attention(self, q, k, v, kc, vc, anchors):
+    def attention(self, q, k, v, kc, vc, anchors, cut=None):
         """Each block's queries over [its context prefix | its own block], groups of blocks at a time.
         GQA: the query heads sharing a K/V head are laid out kv-major ([nkv, group, ...]) and multiply that
         head's keys once."""
@@ -114,6 +121,8 @@ class SplitForward:
             hidden = torch.arange(span, device=q.device)[None, :] >= a[:, None]  # [m, span]: not before anchor
             ctx_scores = ctx_scores.masked_fill(hidden[:, None, None, :], float("-inf"))
             own = (qs @ kb[sl].transpose(-1, -2)) * scale  # [m, nkv, g*B, B]
+            if cut is not None:
+                own = own.masked_fill(cut[sl][:, None, None, :], float("-inf"))
             probs = torch.cat([ctx_scores, own], -1).softmax(-1)  # the log-sum-exp merge of both parts
             o = torch.einsum("nkqs,ksd->nkqd", probs[..., :span], vc[:, :span]) + probs[..., span:] @ vb[sl]
             outs.append(o)

@@ -43,6 +43,10 @@ class TrainConfig:
     accumulate: int = 4  # sequences per optimizer step (the effective batch: gradients accumulate over them)
     anchors: int = 0  # blocks per sequence per step: 0 = every response token with a successor, else N random
     gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
+    # share of blocks trained at a random shorter length (2..B-1, its rows past the length out of attention and
+    # loss): the block-size controller drafts blocks of 2..B, and a draft trained only at B reads position 1
+    # worse in a shorter block (fewer mask rows; benchmarks/TRAINING.md, 25 Nov 6th session)
+    short_blocks: float = 0.0
     held_out: int = 24  # rows never trained on (the smallest key hashes: see split_held_out)
     eval_rows: int = 24  # of those, the ones the periodic teacher-forced tau reads (the rest: evaluate.py's)
     eval_every: int = 100
@@ -192,13 +196,24 @@ def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int
     return torch.tensor(sorted(rng.sample(choices, min(count, len(choices)))), dtype=torch.long)
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int, ends: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block: int, ends: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Labels [n, B-1]: the tokens at anchor+1..anchor+B-1; -100 past the end of the anchor's sequence
-    (`ends` [n] where sequences are packed, else the end of `tokens`)."""
-    pos = anchors[:, None] + torch.arange(1, block, device=anchors.device)
+    (`ends` [n] where sequences are packed, else the end of `tokens`) and past a short block's length."""
+    offsets = torch.arange(1, block, device=anchors.device)
+    pos = anchors[:, None] + offsets
     end = tokens.shape[0] if ends is None else ends[:, None]
-    return torch.where(pos < end, tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
+    keep = pos < end
+    if lengths is not None:
+        keep = keep & (offsets[None, :] < lengths[:, None])
+    return torch.where(keep, tokens[pos.clamp_max(tokens.shape[0] - 1)], -100)
+
+
+def block_lengths(rng: random.Random, count: int, block: int, share: float) -> torch.Tensor | None:
+    """Per block its length: B, or with probability `share` one of 2..B-1 (uniform); None when share is 0."""
+    if share <= 0 or block <= 2:
+        return None
+    return torch.tensor([rng.randint(2, block - 1) if rng.random() < share else block for _ in range(count)])
 
 
 @dataclass
@@ -211,10 +226,11 @@ class Batch:
     starts: torch.Tensor  # [n]
     ends: torch.Tensor  # [n]
     teacher: tuple[torch.Tensor, torch.Tensor] | None = None  # the target's top-k log-probs and ids [S, k]
+    lengths: torch.Tensor | None = None  # [n] each block's length (None: all B; see TrainConfig.short_blocks)
 
 
 def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, features, soft: bool,
-               device) -> Batch:
+               device, block: int = 0, short: float = 0.0) -> Batch:
     """`count` sequences drawn from `rows`, each with its random anchors, packed for one forward."""
     parts, offset = {"features": [], "tokens": [], "anchors": [], "starts": [], "ends": [], "logp": [], "ids": []}, 0
     for _ in range(count):
@@ -233,7 +249,9 @@ def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, f
         offset += len(ids)
     cat = {k: torch.cat(v).to(device) for k, v in parts.items() if v}
     teacher = (cat["logp"], cat["ids"]) if soft else None
-    return Batch(cat["features"], cat["tokens"], cat["anchors"], cat["starts"], cat["ends"], teacher)
+    lengths = block_lengths(rng, int(cat["anchors"].shape[0]), block, short)
+    return Batch(cat["features"], cat["tokens"], cat["anchors"], cat["starts"], cat["ends"], teacher,
+                 None if lengths is None else lengths.to(device))
 
 
 def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | None = None, soft: float = 0.0,
@@ -243,10 +261,10 @@ def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | 
     own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows).
     With `split` (one sequence per batch) the forward is train/fast.py's and, for hard labels, the
     cross-entropy is computed in chunks without holding every block's logits."""
-    labels = block_labels(batch.tokens, batch.anchors, model.block_size, batch.ends)
+    labels = block_labels(batch.tokens, batch.anchors, model.block_size, batch.ends, batch.lengths)
     head = model.lm_head if vocab is None else vocab.head
     if split is not None:
-        hidden = split(batch.features, batch.tokens, batch.anchors)
+        hidden = split(batch.features, batch.tokens, batch.anchors, batch.lengths)
     else:
         hidden = model(batch.features, batch.tokens, batch.anchors, batch.starts)
     if split is not None and not (batch.teacher is not None and soft > 0):
@@ -346,6 +364,9 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
                             disk=Path(cfg.feature_cache) if cfg.feature_cache else None)
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     split = attention_path(model, cfg)
+    if cfg.short_blocks and split is None:
+        raise ConfigError("--short-blocks needs the split attention (train/fast.py), which this draft or "
+                          "--attention does not use", "train without --short-blocks, or with --attention split")
     held, rest = split_held_out(rows, cfg.held_out, cfg.seed)
     train_rows = [r for r in rest if len(r["response_ids"]) > 1]
     vocab = TrainingVocab(train_rows, model.lm_head, frequent=cfg.vocab_frequent or None) \
@@ -387,7 +408,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         lr = optim.param_groups[0]["lr"]
         total, blocks = 0.0, 0
         counts = [min(per_forward, cfg.accumulate - first) for first in range(0, cfg.accumulate, per_forward)]
-        batches = [make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device) for count in counts]
+        batches = [make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device, cfg.block_size,
+                              cfg.short_blocks) for count in counts]
         if vocab is not None:  # after the batches: the step's labels join a frequent-tokens vocabulary
             vocab.draw(rng, torch.cat([block_labels(b.tokens, b.anchors, cfg.block_size, b.ends).flatten()
                                        for b in batches]) if cfg.vocab_frequent else None)
