@@ -57,6 +57,7 @@ def test_short_blocks_train_what_a_shorter_propose_runs(tmp_path, tiny_llama):
     import random
     from hetero_sd.train.trainer import block_labels, block_lengths
     raw, target, model = trained_like(tiny_llama)
+    raw["dflash_config"]["short_blocks"] = True  # what train() writes with --short-blocks: propose runs L rows
     folder = write_draft(tmp_path / "d", raw, dict(model.state_dict()), dtype=torch.float32)
     draft = load_draft(folder, DraftConfig.from_folder(folder), target, "cpu", torch.float32, 3)
     tokens, features = torch.randint(0, 64, (30,)), torch.randn(30, 2 * 64)
@@ -183,6 +184,8 @@ def test_every_anchor_and_the_schedule(tmp_path, tiny_llama):
     train(tiny_llama, rows, tmp_path / "s", TrainConfig(**cfg, short_blocks=0.5), progress=short.append)
     assert [r["blocks"] for r in short] == [2 * 11] * 6 and all(r["loss"] > 0 for r in short)
     assert [r["loss"] for r in short] != [r["loss"] for r in logged]
+    assert DraftConfig.from_folder(tmp_path / "s").format.short_blocks  # the runtime drafts it short
+    assert not DraftConfig.from_folder(tmp_path / "a").format.short_blocks
 
 
 def test_replayed_decoding_and_the_ngram_floor():

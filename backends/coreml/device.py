@@ -3,7 +3,8 @@ compute units CPU_AND_NE), the GPU (`coreml-gpu`) or the CPU (`coreml-cpu`).
 
 The package has fixed shapes: a window of WINDOW context positions (padded and masked when the context
 is shorter; the last WINDOW positions when longer) and the draft's block size. A smaller block asked
-for by the block-size controller is answered with the first rows of a full block."""
+for by the block-size controller is answered with the first rows of a full block: what a draft trained at
+its block size only needs (DraftFormat.block_rows), and one trained on short blocks too saw full ones."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ class WindowedDraft(DraftBackend):
         w = reference.weights()
         self.embed, self.rope, self.window = w.embed.float(), w.rope, window
         self.block_size, self.mask_token_id = reference.block_size, reference.mask_token_id
+        self.format = w.format  # a short block's rows (DraftFormat.block_rows)
         self.eps = w.config.rms_norm_eps
         # a reduced draft head: the graph scores the K ids (its lm_head is those rows); the host widens them
         self.vocab_ids, self.vocab_size = w.draft_vocab, w.embed.shape[0]

@@ -22,8 +22,9 @@ class AneSimDraft(WindowedDraft):
 
     @torch.inference_mode()
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
-        x = self.inputs(anchor, position, min(size or self.block_size, self.block_size))
+        size = min(size or self.block_size, self.block_size)
+        x = self.inputs(anchor, position, self.format.block_rows(size, self.block_size))
         r = self.graph.round  # inputs enter the graph in its number format
         logits, hidden = self.graph(*(r(v) if k != "feature_eps" else v for k, v in x.items()))
-        self.last_hidden = sequence_first(hidden)
-        return self.full_logits(sequence_first(logits))
+        self.last_hidden = sequence_first(hidden)[:size - 1]
+        return self.full_logits(sequence_first(logits)[:size - 1])

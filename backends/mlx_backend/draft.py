@@ -25,6 +25,7 @@ class MLXDraft(DraftBackend):
         vocab_ids: a reduced head's target ids (hetero_sd/models/draft_vocab.py): only those columns are kept."""
         arch = self.arch = cfg.arch
         self.block_size, self.mask_token_id, self.dtype = cfg.block_size, mask_token_id, dtype
+        self.format = cfg.format
         h = arch.hidden_size
         self.fc = to_mx(take(tensors, "fc.weight", (h, feature_size), where).t(), dtype)
         self.hidden_norm = to_mx(take(tensors, "hidden_norm.weight", (h,), where), dtype)
@@ -64,14 +65,15 @@ class MLXDraft(DraftBackend):
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
         start, eps = self.cache.length, self.arch.rms_norm_eps
         size = min(size or self.block_size, self.block_size)
-        h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (size - 1)])]
-        cos, sin = self.rope.at(start if position is None else position, size)
+        rows = self.format.block_rows(size, self.block_size)  # a short block: as the draft was trained
+        h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (rows - 1)])]
+        cos, sin = self.rope.at(start if position is None else position, rows)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(rms_norm(h, layer.in_norm, eps), cos, sin)
             # the block's K/V go after the context but `length` stays: the next context overwrites them
             k, v = self.cache.write(i, start, k, v)
             h = layer.attend(h, q, k, v, None)
-        hidden = rms_norm(h[0, 1:], self.norm, eps)
+        hidden = rms_norm(h[0, 1:size], self.norm, eps)
         logits = hidden @ self.lm_head
         mx.eval(logits, hidden)
         self.last_hidden = to_torch(hidden)

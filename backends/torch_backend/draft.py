@@ -226,24 +226,25 @@ class TorchDraft(CacheOwner, DraftBackend):
         """Logits [size-1, vocab]; for DFlash2, a SelectorBlock (its logits and the selector's walk)."""
         start, eps, size = self.cache.length, self.arch.rms_norm_eps, min(size or self.block_size, self.block_size)
         position = start if position is None else position
-        ids = torch.full((1, size), self.mask_token_id, device=self.device)
+        rows = self.format.block_rows(size, self.block_size)  # a short block: as the draft was trained
+        ids = torch.full((1, rows), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
         # Cache slots follow the context; RoPE carries the true positions. The block's K/V go after the
         # context and are never kept (length is not advanced).
-        cos, sin = self.rope.at(position, size)
+        cos, sin = self.rope.at(position, rows)
         if self.model.fused_ops is not None:  # the layers and the final norm on the fused ops
             x, _ = through_layers(self.model.fused_ops, self.model.walk, self.model.embed_block(ids),
                                   self.layers[0].in_norm, self.cache, start, cos, sin, None)
-            self.last_hidden = x[0, 1:]
+            self.last_hidden = x[0, 1:size]
             return self.head(self.last_hidden)
-        masks = block_masks(self.format.attention, start, position, size, self.device)
+        masks = block_masks(self.format.attention, start, position, rows, self.device)
         attend = None
         if self.model.attend_kernel is not None and self.convs is None:
             kernel, wide = self.model.attend_kernel
             attend = lambda i, q: kernel(q.contiguous(), self.cache.k[i], self.cache.v[i], start, wide, False)  # noqa: E731
         h = self.model(self.model.embed_block(ids), cos, sin, lambda i, k, v: self.cache.write(i, start, k, v), masks,
                        attend)
-        self.last_hidden = rms_norm(h[0, 1:], self.norm, eps)  # for precision-drift measurements
+        self.last_hidden = rms_norm(h[0, 1:size], self.norm, eps)  # for precision-drift measurements
         logits = self.head(self.last_hidden)  # [size-1, vocab] float32, whole head or reduced (head.py)
         return logits if self.selector is None else self.selector.block(self.last_hidden, logits, anchor)
 

@@ -21,8 +21,9 @@ ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 FIX_FORMAT = "hetero-sd runs DFlash (DFlashDraftModel) and DFlash2 (DFlash2DraftModel) drafts in z-lab's format"
 
 # Keys the reference looks up in dflash_config first, then at the top level.
+SHORT_BLOCKS = "short_blocks"  # ours: the draft was trained on blocks shorter than block_size too (below)
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
-               "final_logit_softcapping", draft_vocab.KEY}
+               "final_logit_softcapping", draft_vocab.KEY, SHORT_BLOCKS}
 DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 # Top-level keys that shape the draft's layers (read by config.ArchConfig or below).
 SHAPE_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -68,6 +69,15 @@ class DraftFormat:
     selector_rank: int = 0
     selector_top_k: int = 0
     draft_vocab_size: int | None = None  # K: the head scores only the draft's K target ids (draft_vocab.py)
+    # True: trained on shorter blocks too (train-draft --short-blocks), so a block of b < block_size runs b rows.
+    # False (z-lab's drafts, trained at block_size only): a block of b runs all block_size rows and keeps the
+    # first b-1 predictions, as the reference drafts: with fewer mask rows such a draft reads position 1 much
+    # worse (ours trained at 8: 36% instead of 49% right on chat at b = 2; benchmarks/confidence_gate.py).
+    short_blocks: bool = False
+
+    def block_rows(self, size: int, block_size: int) -> int:
+        """How many rows a drafted block of `size` runs (the first `size` of them are used)."""
+        return size if self.short_blocks else block_size
 
     @property
     def extras(self) -> list[str]:
@@ -86,13 +96,18 @@ class DraftFormat:
             out.append(f"final_logit_softcapping {self.logit_softcap:g}")
         return out
 
+    @property
+    def notes(self) -> list[str]:
+        """What the draft declares beyond z-lab's format that every backend applies (describe() lists them)."""
+        return ([f"draft head {self.draft_vocab_size} rows"] if self.draft_vocab_size else []) + (
+            ["trained for short blocks"] if self.short_blocks else [])
+
     def describe(self) -> str:
         """The format as named in stats and bench JSON, e.g. 'dflash2 (top-8 selector, kernel 4); sliding...'."""
         base = self.name if self.name == "dflash" else (
             f"dflash2 (top-{self.selector_top_k} selector, conv kernel {self.conv_kernel_size})")
         rest = [e for e in self.extras if not e.startswith("DFlash2")]
-        rest += [f"draft head {self.draft_vocab_size} rows"] if self.draft_vocab_size else []
-        return "; ".join([base] + rest)
+        return "; ".join([base] + rest + self.notes)
 
     def require_plain(self, backend: str) -> None:
         """Backends that implement only plain DFlash refuse everything else, by name."""
@@ -127,7 +142,16 @@ def read_format(raw: dict, where: str) -> DraftFormat:
                        input_embedding_scale=float(lookup(raw, "input_embedding_scale", 1.0)),
                        output_multiplier=float(lookup(raw, "output_multiplier", 1.0)),
                        logit_softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
-                       draft_vocab_size=draft_vocab.declared_size(raw, where, raw.get("vocab_size")), **extra)
+                       draft_vocab_size=draft_vocab.declared_size(raw, where, raw.get("vocab_size")),
+                       short_blocks=short_blocks(raw, where), **extra)
+
+
+def short_blocks(raw: dict, where: str) -> bool:
+    value = lookup(raw, SHORT_BLOCKS, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: dflash_config.{SHORT_BLOCKS} is {value!r}, not true or false",
+                          "fix the draft's config.json (train-draft writes it as a JSON boolean)")
+    return value
 
 
 def architecture(raw: dict, where: str) -> str:

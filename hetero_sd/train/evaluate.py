@@ -88,9 +88,12 @@ def ngram_tau(table: NGramDraft, rows: list[dict], block: int, max_tokens: int) 
 @torch.no_grad()
 def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None) -> dict:
     """Simulated decoding with the draft in `folder` as the runtime loads it, at its own block size or
-    `block`; `features` is the trainer's FeatureCache (its target and, with a disk store, the stored features)."""
+    `block`; `features` is the trainer's FeatureCache (its target and, with a disk store, the stored features).
+    A smaller `block` is drafted as the block-size controller drafts it (propose(size=block)); a larger one
+    makes the draft's blocks that long."""
     cfg = DraftConfig.from_folder(Path(folder))
-    cfg.block_size = block or cfg.block_size
+    block = block or cfg.block_size
+    cfg.block_size = max(block, cfg.block_size)
     draft = load_draft(Path(folder), cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
     per_row = []
     for r in rows:
@@ -101,9 +104,9 @@ def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: 
         def guess(a: int) -> list[int]:
             if draft.context_length < a:
                 draft.add_context(feats[draft.context_length:a])
-            logits = draft.propose(ids[a])
+            logits = draft.propose(ids[a], size=block)
             logits = getattr(logits, "logits", logits)
             return logits.argmax(-1).tolist()
 
-        per_row.append((r.get("source", "all"), replay(ids, p, cfg.block_size, guess, max_tokens)))
+        per_row.append((r.get("source", "all"), replay(ids, p, block, guess, max_tokens)))
     return summarise(per_row)

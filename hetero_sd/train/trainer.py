@@ -26,6 +26,7 @@ from hetero_sd.backends.torch_backend import load_target
 from hetero_sd.errors import ConfigError
 from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, write_draft
+from hetero_sd.models.draft_format import SHORT_BLOCKS
 
 from .fast import SplitForward, supports
 from .features import FeatureStore
@@ -175,8 +176,9 @@ def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
     # block_size shapes no weight either (a block is rows of the same layers): a block-16 draft may go on at 8
     keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "dflash_config")
-    # the head's reduced vocabulary (models/draft_vocab.py) shapes no trained weight: not compared
-    plain = lambda c: {k: v for k, v in c.items() if k != "draft_vocab_size"} if isinstance(c, dict) else c  # noqa: E731
+    # the head's reduced vocabulary (models/draft_vocab.py) and short-block training shape no trained weight
+    plain = lambda c: {k: v for k, v in c.items() if k not in ("draft_vocab_size", SHORT_BLOCKS)} \
+        if isinstance(c, dict) else c  # noqa: E731
     differ = [k for k in keys if plain(old.get(k)) != plain(raw.get(k))]
     if differ:
         raise ConfigError(f"--init-from {folder}: its config differs in {', '.join(differ)}",
@@ -359,6 +361,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
                        mask_token_id=pick_mask_token(tokenizer), layer_ids=layer_ids)
+    if cfg.short_blocks > 0:  # the runtime then drafts a short block with its own rows (DraftFormat.block_rows)
+        raw["dflash_config"][SHORT_BLOCKS] = True
     device, autocast = train_device(cfg.device, cfg.autocast)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device,
                             disk=Path(cfg.feature_cache) if cfg.feature_cache else None)
