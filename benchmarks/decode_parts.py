@@ -3,7 +3,7 @@ op is timed around its call (the instrumentation adds ~5%), the rest is Python a
 One process, 512 tokens of context, `--steps` decode steps after 30 of warm-up; `--rows 16` times a
 verify of 16 tokens instead of a decode step.
 
-    python benchmarks/decode_parts.py [--dtype int8] [--rows 1] [--steps 300] [--json out.json]
+    python benchmarks/decode_parts.py [--dtype int8] [--rows 1] [--steps 300] [--walk ops] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import time
 
 import hetero_sd
+from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.backends.torch_backend import fused, quant
 from hetero_sd.bench.runner import machine
 from hetero_sd.decoding.costs import fill_ids
@@ -53,9 +54,11 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--rows", type=int, default=1, help="tokens per forward: 1 (decode) or a verify's block")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--walk", choices=["stack", "ops"], default="stack",
+                    help="stack: the one-call layer walk (timed as one 'layers' op); ops: op by op, each timed")
     ap.add_argument("--json")
     args = ap.parse_args()
-    target = hetero_sd.load("default", None, dtype=args.dtype).target
+    target = hetero_sd.load("default", None, dtype=args.dtype, policy=LoadPolicy(stack=args.walk == "stack")).target
     acc = collections.Counter()
     timed_calls(acc, target)
     target.crop(0)
@@ -73,7 +76,7 @@ def main() -> None:
     step = steps(args.steps)
     parts = {k: round(v / args.steps * 1e3, 3) for k, v in acc.most_common()}
     parts["rest (Python, torch)"] = round(step * 1e3 - sum(parts.values()), 3)
-    out = {"machine": machine(), "dtype": args.dtype or "float32", "rows": args.rows, "step_ms": round(step * 1e3, 3), "parts_ms": parts}
+    out = {"machine": machine(), "dtype": args.dtype or "float32", "rows": args.rows, "walk": args.walk, "step_ms": round(step * 1e3, 3), "parts_ms": parts}
     print(json.dumps(out["parts_ms"]), f"step {out['step_ms']} ms")
     if args.json:
         with open(args.json, "w") as f:
