@@ -165,7 +165,7 @@ def cpu_trained_note(folder) -> str:
     done = json.loads(folder.joinpath("training.json").read_text())
     tau = next((h["held_out_tau"] for h in reversed(done["config"]["history"]) if "held_out_tau" in h), None)
     # its last run's own figure: teacher-forced on a few held-out rows at its block size; simulated decoding on
-    # 256 held-out rows at block 8 says 1.41 (chat 1.33, code 1.55: benchmarks/results/training/b8g2-curve.json)
+    # 256 held-out rows: benchmarks/results/training/b8g2-curve.json (block 8), b8g2-block2-curve.json (block 2)
     block = done["config"].get("block_size", 16)
     return (f"draft 'cpu-trained': trained on a 2-core CPU (its last run: {done['step']} steps at block {block}), "
             f"held-out tau {tau:.2f} teacher-forced on that run's held-out rows; weak: with block size 'auto' "
