@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hetero_sd  # noqa: E402
+from hetero_sd.backends.base import logits_of  # noqa: E402
 from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.prompts import load_prompts  # noqa: E402
 
@@ -51,10 +52,8 @@ def record(rt, text: str, max_new: int) -> list[dict]:
         anchor = int(anchor)
         if anchor in rt.stop_ids:
             break
-        block = draft.propose(anchor, size=BLOCK)
-        q, drafted = getattr(block, "logits", block).softmax(-1).max(-1)
-        short = {size: int(getattr(b, "logits", b)[0].argmax()) for size in (2, 4)
-                 for b in [draft.propose(anchor, size=size)]}
+        q, drafted = logits_of(draft.propose(anchor, size=BLOCK)).softmax(-1).max(-1)
+        short = {size: int(logits_of(draft.propose(anchor, size=size))[0].argmax()) for size in (2, 4)}
         out = target.forward([anchor])
         draft.add_context(out.features)
         probs = out.logits[-1].softmax(-1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 # (source, measure, goal): issue 25's goals (chat position 1 >= 55%, chat tau >= 2.2, HumanEval tau >= 2.6)
@@ -25,12 +26,8 @@ GOALS = (("sharegpt", "position_1_right", 0.55), ("sharegpt", "tau", 2.2), ("std
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Least squares y = a + b x; returns (a, b, r^2)."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    ss = sum((y - my) ** 2 for y in ys)
-    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss if ss > 0 else 1.0
+    b, a = statistics.linear_regression(xs, ys)
+    r2 = statistics.correlation(xs, ys) ** 2 if len(set(ys)) > 1 else 1.0
     return a, b, r2
 
 
