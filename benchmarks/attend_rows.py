@@ -1,0 +1,70 @@
+"""Issue 26: the fused causal attention op alone (SmolLM2-135M's shape: 9 query heads, 3 K/V heads, head
+dim 64, a float16 K/V cache) for a decode row and verify blocks of 2..16 rows at --context tokens, per layer.
+Minimum over --reps calls (the call nothing interrupted). --save writes the outputs, --check compares
+with a saved file bit for bit (a kernel change must not move a single bit: decode and verify agree only
+because every row's sums keep their order).
+
+    python benchmarks/attend_rows.py [--context 512] [--rows 1,2,4,8,16] [--save out.pt | --check out.pt] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hetero_sd.backends.torch_backend import fused
+from hetero_sd.backends.torch_backend.cpu import cpu_flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_ab import lscpu  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save")
+    ap.add_argument("--check")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    k = fused.extension()
+    wide = "avx512f" in cpu_flags()
+    g = torch.Generator().manual_seed(0)
+    cap = args.context + 64
+    kc = torch.randn(1, 3, cap, 64, generator=g).half()
+    vc = torch.randn(1, 3, cap, 64, generator=g).half()
+    outs, times = {}, {}
+    for rows in [int(r) for r in args.rows.split(",")]:
+        q = torch.randn(1, 9, rows, 64, generator=g)
+        start = args.context - rows
+        best = float("inf")
+        for _ in range(args.reps):
+            began = time.perf_counter()
+            o = k.attend(q, kc, vc, start, wide, True)
+            best = min(best, time.perf_counter() - began)
+        outs[rows], times[rows] = o, best * 1e6
+        print(f"rows {rows:3d}: {best * 1e6:8.1f} us per layer ({best * 1e6 / rows:.1f} per row)")
+    if args.save:
+        torch.save(outs, args.save)
+    if args.check:
+        ref = torch.load(args.check)
+        same = {r: bool(torch.equal(ref[r], outs[r])) for r in outs if r in ref}
+        print("bitwise equal to", args.check, same)
+        if not all(same.values()):
+            raise SystemExit("outputs moved")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": lscpu(), "context": args.context, "threads": args.threads, "isa": "avx512" if wide else "avx2",
+                       "command": " ".join(sys.argv), "us_per_layer": times}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
