@@ -97,6 +97,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
 // (benchmarks/results/quant8_ab_avx2.json): no robust gain, kept as bitwise the same.
 // Tried and dropped for Q4_1: int16 pair sums added over the block's 4 groups before one vpmaddwd (2.25
 // instead of 3 multiplies per 64 products) and 8 rows: 0-15% SLOWER there (gcc spills the unpacked groups).
+// Retried with at most 4 rows in registers (no spills; bitwise the same sums): 8-12% slower at 4-16 rows, 3-5%
+// faster at 1 row, one thread, matrices in cache, 3 interleaved rounds in one process
+// (benchmarks/results/quant8_i16_ab_avx2.json): fewer multiplies do not pay; the multiply ports are not the bound.
 // The epilogue is once per block and row, the same two fmadds in the same order whatever R: a row's bits do not
 // depend on the rows beside it.
 template <int R, bool Q41>
