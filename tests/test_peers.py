@@ -65,6 +65,20 @@ def test_floor_counts_every_weight_once(tiny_llama):
     assert kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
 
+
+def test_floor_counts_the_gguf_blocks_a_step_reads(smollm_random):
+    """The default target multiplies its GGUF's Q4_1/Q8_0 blocks: its floor is those bytes (~96 MB), not the
+    float32 copies it also keeps (~540 MB), else `bench --floor` puts us far above a physical floor."""
+    target = smollm_random.target
+    w = target.weights()
+    assert w.read_bytes is not None
+    weights, _ = target_bytes(target)
+    norms = w.norm.nbytes + sum(layer.in_norm.nbytes + layer.post_norm.nbytes for layer in w.layers)
+    assert weights == w.read_bytes + norms + w.embed[0].nbytes
+    dense = sum(t.nbytes for t in [w.lm_head] + [getattr(layer, a) for layer in w.layers
+                                                 for a in ("wqkv", "wo", "w_gate_up", "w_down")])
+    assert 4 * weights < dense
+
 def test_peer_names_and_datasets():
     assert peer_names("all") == ["transformers", "transformers-lookup", "llama.cpp", "llama.cpp-dflash", "zlab-reference",
                                  "mlx-lm", "mlx-lm-speculative"]

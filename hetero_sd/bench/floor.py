@@ -9,18 +9,22 @@ from hetero_sd.decoding.costs import read_bandwidth_gb_s
 
 def target_bytes(target) -> tuple[int, int]:
     """(bytes of weights read per decode step, bytes of KV cache per position) for a target that exposes
-    its weights (TargetBackend.weights)."""
+    its weights (TargetBackend.weights). A target multiplying GGUF blocks (the CPU default of a GGUF) reads
+    its matrices as those blocks (ModelWeights.read_bytes), not as the float32 tensors it also keeps."""
     w = target.weights()
-    weights = w.lm_head.nbytes + w.norm.nbytes + w.embed[0].nbytes  # one embedding row
+    weights = w.norm.nbytes + w.embed[0].nbytes  # one embedding row
     for layer in w.layers:
-        weights += sum(t.nbytes for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, layer.in_norm,
-                                          layer.post_norm) if t is not None)
+        weights += sum(t.nbytes for t in (layer.in_norm, layer.post_norm) if t is not None)
+        if w.read_bytes is None:
+            weights += sum(t.nbytes for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    weights += w.lm_head.nbytes if w.read_bytes is None else w.read_bytes
     return weights, w.kv_bytes_per_position
 
 
 def floor_report(target, context: int, systems: dict[str, float], gguf_bytes: int | None = None) -> dict:
-    """systems: name -> measured tokens/s. The floor is computed for our float32 weights, and for the
-    GGUF's (quantised) size where a GGUF peer ran, since each system reads its own weights."""
+    """systems: name -> measured tokens/s. The floor is computed for the bytes our target reads (its GGUF
+    blocks, or its float weights), and for the GGUF file's size where a GGUF peer ran, since each system
+    reads its own weights."""
     bandwidth = read_bandwidth_gb_s()
     weights, kv = target_bytes(target)
     step_bytes = weights + kv * context
