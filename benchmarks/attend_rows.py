@@ -24,15 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
 
 
+OPTIONS = {"--context": (int, 512), "--rows": (str, "1,2,4,8,16"), "--reps": (int, 300), "--threads": (int, 2),
+           "--save": (str, None), "--check": (str, None), "--json": (str, None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--save")
-    ap.add_argument("--check")
-    ap.add_argument("--json")
+    for flag, (kind, default) in OPTIONS.items():
+        ap.add_argument(flag, type=kind, default=default)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     k = fused.extension()
