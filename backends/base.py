@@ -96,6 +96,8 @@ class ModelWeights:
     read_bytes: int | None = None  # weight bytes a decode step reads, where not the tensors' own size
     #                                (a target multiplying GGUF blocks reads those, not its float32 copy)
     draft_vocab: torch.Tensor | None = None  # a reduced draft head: the target ids of lm_head's K columns
+    peak: Callable[[], float] | None = None  # probe: multiply-add ops/s of the kernel that multiplies these weights,
+    #                                          where it is not a dense matmul of their dtype (int8 rows x GGUF blocks)
 
 
 def gather_features(layer_ids: list[int], captured: list, num_layers: int, final_norm, concat):

@@ -28,3 +28,17 @@ def test_costs_without_draft(tiny_llama):
     rt = load(str(tiny_llama), None)
     costs = measure_costs(rt.target, None, context=16, ks=(2,), repeats=1)
     assert rt.target.length == 0 and costs.draft_s == {} and costs.peak_gflops is None
+
+
+def test_compute_floor_uses_the_models_own_int8_kernel(smollm_random, tiny_llama):
+    """The default target multiplies int8 rows by GGUF blocks: its compute floor is that kernel's measured
+    peak, recorded by name; a float32 target's is the dense matmul's peak (no kernel peak recorded)."""
+    from hetero_sd.backends.base import weights_of
+    from hetero_sd.decoding.costs import own_peak
+
+    costs = Costs(decode_s=1.0, verify_s={}, draft_s={}, peak_gflops=1.0)
+    peak = own_peak(costs, "target", weights_of(smollm_random.target))
+    assert peak > 1e9 and costs.kernel_peak_gops == {"target": peak / 1e9}
+    dense = Costs(decode_s=1.0, verify_s={}, draft_s={}, peak_gflops=123.0)
+    assert own_peak(dense, "target", weights_of(load(str(tiny_llama), None).target)) == 123e9
+    assert dense.kernel_peak_gops == {}

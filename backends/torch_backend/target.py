@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -18,7 +19,7 @@ from hetero_sd.models.weights import converted_from, take
 from ..base import ModelWeights, TargetBackend, TargetOutput, gather_features
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
-from . import fused
+from . import fused, quant8
 from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
                      layer_walk, through_layers)
@@ -139,7 +140,8 @@ class TorchTarget(CacheOwner, TargetBackend):
 
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
-                            self.cache.bytes_per_position(), self.rope, read_bytes=self.quantized_bytes())
+                            self.cache.bytes_per_position(), self.rope, read_bytes=self.quantized_bytes(),
+                            peak=partial(quant8.kernel_peak, self.matrices()))
 
     def quantized_bytes(self) -> int | None:
         """Bytes of the matrices a decode step reads when the plan gave them GGUF blocks (quant.py), else None."""

@@ -371,7 +371,8 @@ def print_costs(costs) -> None:
         row(f"draft b={b}", s, floors.get("draft", {}).get(b))
     Console().print(t)
     if costs.peak_gflops:
-        Console().print(f"matmul peak {costs.peak_gflops:.0f} GFLOPS, read bandwidth {costs.bandwidth_gbs:.1f} GB/s; "
-                        "floor = max(bytes read / bandwidth, flops / peak)")
+        kernels = "".join(f", {name}'s int8-row kernel {gops:.0f} GOPS" for name, gops in costs.kernel_peak_gops.items())
+        Console().print(f"matmul peak {costs.peak_gflops:.0f} GFLOPS{kernels}, read bandwidth {costs.bandwidth_gbs:.1f} "
+                        "GB/s; floor = max(bytes read / bandwidth, flops / the model's own kernel peak)")
     for note in costs.notes:
         err.print(f"[yellow]note:[/] {note}")

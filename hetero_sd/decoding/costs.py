@@ -26,7 +26,9 @@ class Costs:
     decode_s: float                 # one autoregressive step: target forward of 1 token (last_only logits)
     verify_s: dict[int, float]      # k -> target forward of k tokens on top of the context (all logits + features)
     draft_s: dict[int, float]       # block size b -> one draft propose of size b (after add_context)
-    peak_gflops: float | None = None
+    peak_gflops: float | None = None  # the dense matmul's (torch, the compute dtype)
+    kernel_peak_gops: dict = field(default_factory=dict)  # {"target"/"draft": ops/s / 1e9} of a model's own
+    #                                                         int8-row kernel, where it multiplies by one (its floor)
     bandwidth_gbs: float | None = None
     cpu: str = ""                   # lscpu model name + capability
     dtype: str = ""
@@ -193,7 +195,8 @@ def timed(fn) -> float:
 
 
 def add_machine(costs: Costs, target, draft) -> None:
-    """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak)."""
+    """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak), the
+    peak being the model's own int8-row kernel's where it has one (own_peak)."""
     dtype = getattr(target, "dtype", torch.float32)
     costs.peak_gflops = peak_gflops(dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32)
     costs.bandwidth_gbs = read_bandwidth_gb_s()
@@ -201,18 +204,31 @@ def add_machine(costs: Costs, target, draft) -> None:
     if target_weights is None:
         costs.notes.append("floors need a torch target (its weight sizes); none computed")
         return
-    bw, peak = costs.bandwidth_gbs * 1e9, costs.peak_gflops * 1e9
+    bw = costs.bandwidth_gbs * 1e9
     t_bytes, t_params, kv = model_sizes(target_weights)
+    t_peak = own_peak(costs, "target", target_weights)
 
-    def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int) -> float:
+    def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int, peak: float) -> float:
         return max((weight_bytes + kv_bytes) / bw, 2 * rows * params / peak)
 
-    costs.floors_s = {"decode": floor(1, t_bytes, t_params, kv * costs.context),
-                      "verify": {k: floor(k, t_bytes, t_params, kv * costs.context) for k in costs.verify_s},
+    costs.floors_s = {"decode": floor(1, t_bytes, t_params, kv * costs.context, t_peak),
+                      "verify": {k: floor(k, t_bytes, t_params, kv * costs.context, t_peak) for k in costs.verify_s},
                       "draft": {}}
     if draft_weights is not None:
         d_bytes, d_params, d_kv = model_sizes(draft_weights)
-        costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context) for b in costs.draft_s}
+        d_peak = own_peak(costs, "draft", draft_weights)
+        costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context, d_peak) for b in costs.draft_s}
+
+
+def own_peak(costs: Costs, name: str, weights: ModelWeights) -> float:
+    """ops/s for a model's compute floor: its own kernel's peak where it multiplies int8 rows by GGUF blocks
+    (an int8 product is not bound by the float32 matmul's rate: on AVX2 it runs ~2x that, with VNNI/AMX far
+    more), else the dense matmul's. Recorded in costs.kernel_peak_gops."""
+    peak = weights.peak() if weights.peak is not None else None
+    if peak is None:
+        return costs.peak_gflops * 1e9
+    costs.kernel_peak_gops[name] = peak / 1e9
+    return peak
 
 
 def model_sizes(weights: ModelWeights) -> tuple[int, int, int]:
