@@ -244,11 +244,18 @@ class AutoBlock:
     DECAY = 0.98  # per emitted token: evidence halves every ~34 tokens of text
     PRIOR_WEIGHT = 4.0  # steps' worth of earlier generations: one lucky accept must not turn a draft
     #                     that never paid into a block on every step (the largest of noisy estimates wins)
-    GAP = 4  # plain steps between probes, at least
+    # GAP and STATE_WEIGHT: chosen by replaying the default draft's recorded acceptance on 4 x 12 prompts at the
+    # measured step costs (benchmarks/controller_replay.py; chosen on chat and HumanEval, checked on math and
+    # summarize): GAP 4, STATE_WEIGHT 1 gave 1.016 / 1.033 / 1.014 / 0.990 tokens per decode step's time, these
+    # 1.042 / 1.038 / 1.023 / 0.993 (fixed blocks of 2: 1.004 / 1.065 / 1.066 / 0.920; STATE_WEIGHT 3-4 replayed
+    # a little better still but re-try a block one longer than the draft's reach too often: test_controller;
+    # a larger PROBE_BUDGET traded summarize for the others)
+    GAP = 8  # plain steps between probes, at least
     PROBE_BUDGET = 0.01  # failed probes may cost this share of the plain steps' time, at most
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
     RECHECK = 4  # plain steps between re-decisions in a plain stretch
-    STATE_WEIGHT = 1.0  # steps' worth of the generation's overall rates behind each state's own rates
+    STATE_WEIGHT = 2.0  # steps' worth of the generation's overall rates behind each state's own rates: a real
+    #                     draft's hits come less in clean stretches than an oracle's; its states' rates are noisy
     # Only plain steps show what a plain step costs. Costs cached from a busier moment (a test suite beside
     # a first run) can make blocks look better than plain decoding for good: so after this many blocks in
     # a row a runtime that has seen fewer than PLAIN_CHECK plain steps takes PLAIN_CHECK of them, and
