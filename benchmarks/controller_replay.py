@@ -52,7 +52,7 @@ def record(rt, text: str, max_new: int) -> dict:
     out = target.forward(ids, last_only=True)
     catch_up, confidence = [], []
     draft.add_context(out.features)
-    y, drafts = [int(out.logits[-1].argmax())], []
+    y, drafts, sure = [int(out.logits[-1].argmax())], [], [round(float(out.logits[-1].softmax(-1).max()), 4)]
     while len(y) < max_new and y[-1] not in rt.stop_ids:
         blocks = {b: logits_of(draft.propose(y[-1], size=b)).softmax(-1).max(-1) for b in range(2, draft.block_size + 1)}
         drafts.append({b: top.tolist() for b, (_, top) in blocks.items()})
@@ -62,7 +62,8 @@ def record(rt, text: str, max_new: int) -> dict:
         draft.add_context(out.features)
         catch_up.append(time.perf_counter() - began)
         y.append(int(out.logits[-1].argmax()))
-    return {"prompt_ids": list(ids), "y": y, "drafts": drafts, "confidence": confidence,
+        sure.append(round(float(out.logits[-1].softmax(-1).max()), 4))  # the target's probability of its token
+    return {"prompt_ids": list(ids), "y": y, "drafts": drafts, "confidence": confidence, "anchor_probability": sure,
             "catch_up_s": statistics.median(catch_up) if catch_up else 0.0}
 
 

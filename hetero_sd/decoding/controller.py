@@ -244,12 +244,13 @@ class AutoBlock:
     DECAY = 0.98  # per emitted token: evidence halves every ~34 tokens of text
     PRIOR_WEIGHT = 4.0  # steps' worth of earlier generations: one lucky accept must not turn a draft
     #                     that never paid into a block on every step (the largest of noisy estimates wins)
-    # GAP and STATE_WEIGHT: chosen by replaying the default draft's recorded acceptance on 4 x 12 prompts at the
-    # measured step costs (benchmarks/controller_replay.py; chosen on chat and HumanEval, checked on math and
-    # summarize): GAP 4, STATE_WEIGHT 1 gave 1.016 / 1.033 / 1.014 / 0.990 tokens per decode step's time, these
-    # 1.042 / 1.038 / 1.023 / 0.993 (fixed blocks of 2: 1.004 / 1.065 / 1.066 / 0.920; STATE_WEIGHT 3-4 replayed
-    # a little better still but re-try a block one longer than the draft's reach too often: test_controller;
-    # a larger PROBE_BUDGET traded summarize for the others)
+    # GAP and STATE_WEIGHT: from replays of the default draft's recorded acceptance on 4 x 12 prompts at the
+    # measured step costs (benchmarks/controller_replay.py): GAP 4, STATE_WEIGHT 1 gave 1.016 / 1.033 / 1.014 /
+    # 0.990 tokens per decode step's time (chat / HumanEval / math / summarize), these 1.042 / 1.038 / 1.023 /
+    # 0.993; on a second recording +0.5-1.0% on average across catch-up costs: small, but every time. (Fixed
+    # blocks of 2: 1.004 / 1.065 / 1.066 / 0.920.) STATE_WEIGHT 3-4 replayed a little better still but re-try a
+    # block one longer than the draft's reach too often (test_controller); a larger PROBE_BUDGET, or states
+    # keyed by the target's probability of the anchor, moved nothing beyond the replays' noise (~1%).
     GAP = 8  # plain steps between probes, at least
     PROBE_BUDGET = 0.01  # failed probes may cost this share of the plain steps' time, at most
     REPEAT_GAP = 2  # plain steps before a probe when the text repeats itself
