@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Evaluate a training run's current draft against the shipped default, and (INSTALL=1) ship it: the steps
+# every shipped step of run D went through (benchmarks/TRAINING.md), as one command. Run it with the trainer
+# stopped (it times real decoding) and nothing else running.
+#   RUN=/work/train-out/b8g2 TAG=21000 [LIMIT=6] [INSTALL=1] PY=.venv/bin/python bash benchmarks/ship_draft.sh
+# 1. a snapshot of the run's draft (model, config, training record, log) in /tmp/ship-$TAG;
+# 2. held-out simulated decoding at blocks of 2 and 8, each appended to its learning curve
+#    (benchmarks/results/training/b8g2{-block2,}-curve.json) and written to heldout_block{2,8}_$TAG.json;
+# 3. its reduced head (`hetero-sd draft-vocab --k 8192`, as the default ships);
+# 4. real decoding, shipped default vs this draft, chat and HumanEval, blocks 2, 8 and auto, one bench per
+#    draft and set (results/training/ship_$TAG/{set}_{shipped,new}.json), then a summary;
+# 5. with INSTALL=1: the draft's files copied over hetero_sd/data/drafts/SmolLM2-135M-Instruct-cpu-trained/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${RUN:?RUN=the training run folder}" "${TAG:?TAG=a name for this snapshot, e.g. its step}"
+PY=${PY:-python}
+BIN=$(dirname "$PY")
+LIMIT=${LIMIT:-6}
+SNAP=/tmp/ship-$TAG
+VOCAB=/tmp/ship-$TAG-vocab
+OUT=benchmarks/results/training
+SHIPPED=hetero_sd/data/drafts/SmolLM2-135M-Instruct-cpu-trained
+mkdir -p "$SNAP" "$OUT/ship_$TAG"
+cp "$RUN"/model.safetensors "$RUN"/config.json "$RUN"/training.json "$RUN"/log.jsonl "$SNAP"/
+for block in 2 8; do
+  curve=$OUT/b8g2-curve.json; [ "$block" = 2 ] && curve=$OUT/b8g2-block2-curve.json
+  "$PY" benchmarks/eval_heldout.py --block-size "$block" --run "$SNAP" --curve "$curve" --json "$OUT/heldout_block${block}_$TAG.json"
+done
+rm -rf "$VOCAB"
+"$BIN/hetero-sd" draft-vocab --draft "$SNAP" --k 8192 --out "$VOCAB"
+for set in chat humaneval; do
+  for which in shipped new; do
+    draft=default; [ "$which" = new ] && draft=$VOCAB
+    "$BIN/hetero-sd" bench --dataset "$set" --draft "$draft" --limit "$LIMIT" --max-new-tokens 128 --blocks 2,8,auto \
+        --json "$OUT/ship_$TAG/${set}_${which}.json" > /dev/null
+  done
+done
+"$PY" - "$OUT/ship_$TAG" <<'EOF'
+import json, sys
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(path.read_text())
+    print(f"{path.stem:20s}", "  ".join(f"block {s['block']}: tau {s['tau']:.3f} {s['speedup']:.3f}x{'' if s['lossless'] else ' NOT LOSSLESS'}"
+                                       for s in d["schedules"]))
+EOF
+if [ "${INSTALL:-0}" = 1 ]; then
+  cp "$VOCAB"/config.json "$VOCAB"/model.safetensors "$VOCAB"/training.json "$VOCAB"/draft_vocab.json "$SHIPPED"/
+  chmod 644 "$SHIPPED"/*
+  "$PY" - "$SHIPPED/draft_vocab.json" "$RUN" <<'EOF'
+import json, sys
+path, run = sys.argv[1], sys.argv[2]
+d = json.load(open(path))
+d["source_draft"] = run  # the training run, not the /tmp snapshot
+json.dump(d, open(path, "w"), indent=1)
+EOF
+  echo "installed into $SHIPPED: run the tests that read it (test_default_draft, test_draft_int8, test_quant8, test_draft_vocab, test_lossless, test_short_blocks)"
+fi
