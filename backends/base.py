@@ -96,8 +96,9 @@ class ModelWeights:
     read_bytes: int | None = None  # weight bytes a decode step reads, where not the tensors' own size
     #                                (a target multiplying GGUF blocks reads those, not its float32 copy)
     draft_vocab: torch.Tensor | None = None  # a reduced draft head: the target ids of lm_head's K columns
-    peak: Callable[[], float] | None = None  # probe: multiply-add ops/s of the kernel that multiplies these weights,
-    #                                          where it is not a dense matmul of their dtype (int8 rows x GGUF blocks)
+    peak: Callable[[], tuple[Callable[[], object], float] | None] | None = None  # -> (a product, its multiply-add
+    #   ops) whose best time gives the peak of the kernel that multiplies these weights, where it is not a dense
+    #   matmul of their dtype (int8 rows x GGUF blocks); None: the dense matmul's peak applies
 
 
 def gather_features(layer_ids: list[int], captured: list, num_layers: int, final_norm, concat):

@@ -206,7 +206,7 @@ class TorchDraft(CacheOwner, DraftBackend):
         return ModelWeights(self.arch, self.embed, self.lm_head, self.norm, self.layers,
                             self.cache.bytes_per_position(), self.rope, self.fc, self.hidden_norm, self.format,
                             read_bytes=self.read_bytes(), draft_vocab=self.head.ids,
-                            peak=partial(quant8.kernel_peak, [getattr(layer, mm) for layer in self.layers
+                            peak=partial(quant8.peak_probe, [getattr(layer, mm) for layer in self.layers
                                                               for mm in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down")]))
 
     def read_bytes(self) -> int | None:

@@ -19,8 +19,6 @@ vpdpbusd; the kernel subtracts 128 * sum q_x) or, on AVX2, as |q| with the sign 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .cpu import cpu_flags, pick_isa
@@ -82,21 +80,13 @@ class Int8Blocks(Quantized):
         return self.ext.qgemm8.default(x, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows, self.n)
 
 
-def kernel_peak(matrices, rows: int = 16, repeats: int = 5) -> float | None:
-    """The practical peak of the int8-row kernel, as multiply-add ops (2 per product) per second with the
-    process's threads: the best of `repeats` products of `rows` rows by the largest Int8Blocks among
-    `matrices` (a layer's matrix, ~1-2 MB: in cache after the first call), the analog of a dense matmul's
-    peak for a model that never runs one (the compute floor of bench --costs). None without such a matrix."""
+def peak_probe(matrices, rows: int = 16):
+    """(a call, its multiply-add ops: 2 per product) for the practical peak of the int8-row kernel: `rows` rows
+    by the largest Int8Blocks among `matrices` (a layer's matrix, ~1-2 MB: in cache after the first call), the
+    analog of a dense matmul's peak for a model that never runs one (bench --costs times it). None without one."""
     ours = [m for m in matrices if isinstance(m, Int8Blocks)]
     if not ours:
         return None
     m = max(ours, key=lambda q: q.n * q.k if q.n * q.k <= 4 * 2**20 else 0)  # a layer's, not a 49k-row head
     x = torch.randn(rows, m.k)
-    m(x)
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        m(x)
-        best = min(best, time.perf_counter() - began)
-    return 2 * rows * m.n * m.k / best
-
+    return (lambda: m(x)), 2 * rows * m.n * m.k

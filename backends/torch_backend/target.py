@@ -141,7 +141,7 @@ class TorchTarget(CacheOwner, TargetBackend):
     def weights(self) -> ModelWeights:
         return ModelWeights(self.config, self.embed, self.lm_head, self.norm, self.layers,
                             self.cache.bytes_per_position(), self.rope, read_bytes=self.quantized_bytes(),
-                            peak=partial(quant8.kernel_peak, self.matrices()))
+                            peak=partial(quant8.peak_probe, self.matrices()))
 
     def quantized_bytes(self) -> int | None:
         """Bytes of the matrices a decode step reads when the plan gave them GGUF blocks (quant.py), else None."""

@@ -4,7 +4,7 @@ process's torch threads (hetero_sd.decoding.costs.read_bandwidth_gb_s)."""
 
 from __future__ import annotations
 
-from hetero_sd.decoding.costs import read_bandwidth_gb_s
+from hetero_sd.decoding.costs import model_sizes, read_bandwidth_gb_s
 
 
 def target_bytes(target) -> tuple[int, int]:
@@ -12,12 +12,10 @@ def target_bytes(target) -> tuple[int, int]:
     its weights (TargetBackend.weights). A target multiplying GGUF blocks (the CPU default of a GGUF) reads
     its matrices as those blocks (ModelWeights.read_bytes), not as the float32 tensors it also keeps."""
     w = target.weights()
-    weights = w.norm.nbytes + w.embed[0].nbytes  # one embedding row
+    matrices, _, _ = model_sizes(w)  # the head and every layer's matrices, as stored or as GGUF blocks
+    weights = matrices + w.norm.nbytes + w.embed[0].nbytes  # one embedding row
     for layer in w.layers:
         weights += sum(t.nbytes for t in (layer.in_norm, layer.post_norm) if t is not None)
-        if w.read_bytes is None:
-            weights += sum(t.nbytes for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
-    weights += w.lm_head.nbytes if w.read_bytes is None else w.read_bytes
     return weights, w.kv_bytes_per_position
 
 

@@ -224,9 +224,12 @@ def own_peak(costs: Costs, name: str, weights: ModelWeights) -> float:
     """ops/s for a model's compute floor: its own kernel's peak where it multiplies int8 rows by GGUF blocks
     (an int8 product is not bound by the float32 matmul's rate: ~1.4x it on the AVX2 EPYC, with VNNI/AMX far
     more), else the dense matmul's. Recorded in costs.kernel_peak_gops."""
-    peak = weights.peak() if weights.peak is not None else None
-    if peak is None:
+    probe = weights.peak() if weights.peak is not None else None
+    if probe is None:
         return costs.peak_gflops * 1e9
+    call, ops = probe
+    call()
+    peak = ops / min(timed(call) for _ in range(5))
     costs.kernel_peak_gops[name] = peak / 1e9
     return peak
 
