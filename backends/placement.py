@@ -33,12 +33,15 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def draft_dtype_for(draft_dtype, target_dtype, device: str, stored: torch.dtype | None = None) -> torch.dtype:
-    """The asked dtype, else the one the draft is stored in (torch_backend.default_draft_dtype)."""
+def draft_dtype_for(draft_dtype, target_dtype, device: str, stored: torch.dtype | None = None,
+                    target_numerics: str | None = None, policy: LoadPolicy = DEFAULT) -> torch.dtype:
+    """The asked dtype, else the one the draft is stored in (torch_backend.default_draft_dtype); float32
+    beside a target whose int8-row head the draft's own matrices can join (target_numerics 'int8')."""
     if draft_dtype is not None:
         return resolve_dtype(draft_dtype, device)
+    int8_rows = INT8 in (target_dtype, target_numerics) and policy.draft_int8_head and policy.draft_int8_layers
     target_dtype = torch.float32 if target_dtype == INT8 else target_dtype
-    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device), stored)
+    return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device), stored, int8_rows)
 
 
 def stored_dtype(tensors: dict) -> torch.dtype | None:

@@ -82,7 +82,8 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
     info["target_weights"] = getattr(t, "weight_format", info["target_dtype"])  # e.g. GGUF blocks (quant.py)
     info["weight_plan"] = getattr(t, "weight_plan", info["target_weights"])  # the torch plan (plan.py)
     stored = torch.bfloat16 if dfolder is None else stored_dtype(tensors)  # a random draft holds bf16 values
-    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored),
+    d = draft_backend(dfolder, dcfg, t, draft_device, draft_dtype_for(draft_dtype, dtype, draft_device, stored,
+                                                                      info["target_dtype"], policy),
                       mask, tensors, info["notes"], policy)
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
     # the rows of the target's head the draft scores: e.g. "8192 of 49152 rows" (models/draft_vocab.py)
