@@ -337,6 +337,9 @@ __attribute__((target("avx512f"))) static void finish16(const float* acc, float 
 // output): a float16 chunk converted once to float32 for all the rows of an item, instead of each row
 // converting as it loads: 2 rows 33 -> 42 us a layer, 4 rows 58 -> 63, 8 rows 98 -> 91, 16 rows 187 -> 212.
 // The conversion rides along with the loads; the scratch's stores and reloads cost more than it saved.
+// Retried with the 16-lane stages on a Zen 5 EPYC (AVX-512, 2 threads, 512 keys, 2 interleaved rounds): slower
+// still, 2 rows 14.5 -> 21 us, 8 rows 43.5 -> 55, 16 rows 83.5 -> 105 (and a 16 KB scratch per call costs a
+// decode row 1.5 us); benchmarks/results/attend_convert_once_zen5.json.
 template <int D, bool W, typename KV>
 static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
                         const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
