@@ -455,8 +455,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     draft of the right shape, for measuring costs and the machinery.
     schedule: "sequential", "overlap" (pre-draft the next block during verification) or "pipeline"
     (generate_many runs two requests at once). dtype: the target's (a different dtype is a different
-    target: baseline and DFlash both run it); draft_dtype: by default the dtype the draft is stored in (a
-    float32 checkpoint stays float32), a 16-bit draft in bf16 on CPUs with native bf16, else the target's. cpu_threads: torch CPU threads per lane; by default,
+    target: baseline and DFlash both run it); draft_dtype: by default float32 beside an int8-row CPU target (its
+    matrices then join the target's int8-row kernels), else the dtype the draft is stored in (a float32 checkpoint
+    stays float32), a 16-bit draft in bf16 on CPUs with native bf16, else the target's. cpu_threads: torch CPU threads per lane; by default,
     when both lanes are on the CPU and the schedule runs them at once, half the cores each (announced).
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached

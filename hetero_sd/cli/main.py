@@ -33,8 +33,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
                    help="defaults to the target device; also ane-sim (fp16 ANE emulation on the CPU)")
     p.add_argument("--dtype", default=None, help="the target's: float32, bfloat16, float16, or int8 (rows x GGUF blocks, llama.cpp's numerics) (default: int8 for a GGUF target on the CPU, float32 for other CPU targets, bfloat16 on accelerators)")
     p.add_argument("--draft-dtype", default=None,
-                   help="the draft's (default: the dtype it is stored in; a 16-bit draft in bfloat16 on CPUs with native "
-                        "bf16, else the target's)")
+                   help="the draft's (default: float32 beside an int8-row CPU target, whose blocks its matrices then "
+                        "join; else the dtype it is stored in, a 16-bit draft in bfloat16 on CPUs with native bf16, "
+                        "else the target's)")
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
                         "measured costs and acceptance), 'fixed' (the draft's own) or a block size")
