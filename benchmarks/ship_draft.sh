@@ -2,10 +2,11 @@
 # Evaluate a training run's current draft against the shipped default, and (INSTALL=1) ship it: the steps
 # every shipped step of run D went through (benchmarks/TRAINING.md), as one command. Run it with the trainer
 # stopped (it times real decoding) and nothing else running.
-#   RUN=/work/train-out/b8g2 TAG=21000 [LIMIT=6] [INSTALL=1] PY=.venv/bin/python bash benchmarks/ship_draft.sh
+#   RUN=/work/train-out/b8g2 TAG=21000 [LIMIT=6] [CURVE=b8g2] [INSTALL=1] PY=.venv/bin/python bash benchmarks/ship_draft.sh
 # 1. a snapshot of the run's draft (model, config, training record, log) in /tmp/ship-$TAG;
 # 2. held-out simulated decoding at blocks of 2 and 8, each appended to its learning curve
-#    (benchmarks/results/training/b8g2{-block2,}-curve.json) and written to heldout_block{2,8}_$TAG.json;
+#    (benchmarks/results/training/$CURVE{-block2,}-curve.json: a run that starts its step count anew, e.g. from
+#    a shipped draft, gets its own CURVE name) and written to heldout_block{2,8}_$TAG.json;
 # 3. its reduced head (`hetero-sd draft-vocab --k 8192`, as the default ships);
 # 4. real decoding, shipped default vs this draft, chat and HumanEval, blocks 2, 8 and auto, one bench per
 #    draft and set (results/training/ship_$TAG/{set}_{shipped,new}.json), then a summary;
@@ -23,7 +24,7 @@ SHIPPED=hetero_sd/data/drafts/SmolLM2-135M-Instruct-cpu-trained
 mkdir -p "$SNAP" "$OUT/ship_$TAG"
 cp "$RUN"/model.safetensors "$RUN"/config.json "$RUN"/training.json "$RUN"/log.jsonl "$SNAP"/
 for block in 2 8; do
-  curve=$OUT/b8g2-curve.json; [ "$block" = 2 ] && curve=$OUT/b8g2-block2-curve.json
+  curve=$OUT/${CURVE:-b8g2}-curve.json; [ "$block" = 2 ] && curve=$OUT/${CURVE:-b8g2}-block2-curve.json
   "$PY" benchmarks/eval_heldout.py --block-size "$block" --run "$SNAP" --curve "$curve" --json "$OUT/heldout_block${block}_$TAG.json"
 done
 rm -rf "$VOCAB"
