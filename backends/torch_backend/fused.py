@@ -78,6 +78,7 @@ class FusedLayerOps:
         self.nh, self.nkv, self.attend, self.wide = cfg.num_attention_heads, cfg.num_key_value_heads, attend, wide
         self.causal, self.stack = causal, stack
         self.stacks: dict[int, tuple] = {}  # id(walk) -> (walk, its native arguments or None)
+        self.needs_mask = not attend  # the C++ attention masks each row itself; SDPA takes a mask
 
     def layers(self, walk, h, first_norm, cache, start: int, cos, sin, capture) -> tuple | None:
         """(the rows after the final norm, the captured residual streams): the whole walk in one C++ call

@@ -101,6 +101,8 @@ class TorchOps:
     """The layer's steps in torch ops (any device and dtype): the strategy a target takes unless its weight
     plan says `fused` (fused.FusedLayerOps, the same steps in C++)."""
 
+    needs_mask = True  # SDPA takes the verify rows' causal mask
+
     def __init__(self, eps: float):
         self.eps = eps
 

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hetero_sd.backends.base import SelectorBlock
@@ -22,6 +23,15 @@ from hetero_sd.backends.base import SelectorBlock
 from .penalties import History, min_p_filter, penalize
 
 RULES = ("match", "rejection")
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's maximum, the first where several tie (torch's and numpy's rule alike). A CPU
+    float32 row goes through numpy: torch's CPU argmax took 27 us for one 49,152-column row and 55-79 for three
+    on a 2-core Zen 5 EPYC, numpy's 3.3 and 7; two a speculative step, one a plain step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return np.argmax(logits.numpy(), axis=-1).tolist()
+    return logits.argmax(-1).tolist()
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> list[int]:
         """One token per row, row i being the token at position + i."""
         if self.params.greedy:
-            return self.penalize(logits, drafted).argmax(-1).tolist()
+            return argmax_rows(self.penalize(logits, drafted))
         return self.draw(self.probs(logits, drafted), 0).tolist()
 
     def uniform(self, device: torch.device, offset: int | None = None) -> float:
@@ -141,7 +151,7 @@ def draft_tokens(sampler: Sampler, draft_logits, rule: str) -> tuple[list[int], 
     if isinstance(draft_logits, SelectorBlock):
         return draft_logits.choose(sampler, rule)
     if sampler.params.greedy or rule == "match":
-        return draft_logits.argmax(-1).tolist(), None
+        return argmax_rows(draft_logits), None
     q = sampler.probs(draft_logits)
     return sampler.draw(q, 0, "draft").tolist(), q
 
