@@ -78,14 +78,14 @@ def run(rt, prompts: list[str], max_new_tokens: int, block: int | None, target: 
     return row
 
 
+OPTIONS = {"--blocks": (str, "2,3,4"), "--dataset": (str, "chat"), "--limit": (int, 6), "--max-new-tokens": (int, 128),
+           "--threads": (int, 2), "--json": (str, None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--blocks", default="2,3,4")
-    ap.add_argument("--dataset", default="chat")
-    ap.add_argument("--limit", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json")
+    for flag, (kind, default) in OPTIONS.items():
+        ap.add_argument(flag, type=kind, default=default)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = [p.text for p in load_prompts(dataset=args.dataset, limit=args.limit)]
