@@ -9,7 +9,6 @@ because every row's sums keep their order).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,6 +21,7 @@ from hetero_sd.backends.torch_backend.cpu import cpu_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
+from timing import options  # noqa: E402
 
 
 OPTIONS = {"--context": (int, 512), "--rows": (str, "1,2,4,8,16"), "--reps": (int, 300), "--threads": (int, 2),
@@ -29,10 +29,7 @@ OPTIONS = {"--context": (int, 512), "--rows": (str, "1,2,4,8,16"), "--reps": (in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    for flag, (kind, default) in OPTIONS.items():
-        ap.add_argument(flag, type=kind, default=default)
-    args = ap.parse_args()
+    args = options(OPTIONS)
     torch.set_num_threads(args.threads)
     k = fused.extension()
     wide = "avx512f" in cpu_flags()

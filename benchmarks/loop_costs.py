@@ -13,7 +13,6 @@ lanes). The timers add ~1 us a call.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,10 +23,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hetero_sd  # noqa: E402
 from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.prompts import load_prompts  # noqa: E402
+from timing import options  # noqa: E402
 
 
 class Timers:
@@ -83,10 +84,7 @@ OPTIONS = {"--blocks": (str, "2,3,4"), "--dataset": (str, "chat"), "--limit": (i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    for flag, (kind, default) in OPTIONS.items():
-        ap.add_argument(flag, type=kind, default=default)
-    args = ap.parse_args()
+    args = options(OPTIONS)
     torch.set_num_threads(args.threads)
     prompts = [p.text for p in load_prompts(dataset=args.dataset, limit=args.limit)]
     blocks = [int(b) for b in args.blocks.split(",")]

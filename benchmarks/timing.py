@@ -23,3 +23,12 @@ def best(f, reps: int) -> float:
 
 def median(f, reps: int) -> float:
     return statistics.median(times_of(f, reps))
+
+
+def options(table: dict, doc: str | None = None):
+    """argparse from a table {flag: (type, default)}: the scripts' options without a copy of the same block."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc)
+    for flag, (kind, default) in table.items():
+        ap.add_argument(flag, type=kind, default=default)
+    return ap.parse_args()
