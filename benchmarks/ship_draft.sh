@@ -2,7 +2,8 @@
 # Evaluate a training run's current draft against the shipped default, and (INSTALL=1) ship it: the steps
 # every shipped step of run D went through (benchmarks/TRAINING.md), as one command. Run it with the trainer
 # stopped (it times real decoding) and nothing else running.
-#   RUN=/work/train-out/b8g2 TAG=21000 [LIMIT=6] [CURVE=b8g2] [INSTALL=1] PY=.venv/bin/python bash benchmarks/ship_draft.sh
+#   RUN=/work/train-out/b8g2 TAG=21000 [LIMIT=6] [CURVE=b8g2] [FEATURES=dir] [INSTALL=1] PY=.venv/bin/python bash benchmarks/ship_draft.sh
+# (FEATURES: the held-out rows' target features kept between evaluations)
 # 1. a snapshot of the run's draft (model, config, training record, log) in /tmp/ship-$TAG;
 # 2. held-out simulated decoding at blocks of 2 and 8, each appended to its learning curve
 #    (benchmarks/results/training/$CURVE{-block2,}-curve.json: a run that starts its step count anew, e.g. from
@@ -25,7 +26,8 @@ mkdir -p "$SNAP" "$OUT/ship_$TAG"
 cp "$RUN"/model.safetensors "$RUN"/config.json "$RUN"/training.json "$RUN"/log.jsonl "$SNAP"/
 for block in 2 8; do
   curve=$OUT/${CURVE:-b8g2}-curve.json; [ "$block" = 2 ] && curve=$OUT/${CURVE:-b8g2}-block2-curve.json
-  "$PY" benchmarks/eval_heldout.py --block-size "$block" --run "$SNAP" --curve "$curve" --json "$OUT/heldout_block${block}_$TAG.json"
+  "$PY" benchmarks/eval_heldout.py --block-size "$block" --run "$SNAP" --curve "$curve" --json "$OUT/heldout_block${block}_$TAG.json" \
+      ${FEATURES:+--feature-cache "$FEATURES"}
 done
 rm -rf "$VOCAB"
 "$BIN/hetero-sd" draft-vocab --draft "$SNAP" --k 8192 --out "$VOCAB"
