@@ -121,3 +121,17 @@ def test_top_k_and_top_p_processing():
     keep = int((p > 0).sum())
     assert full[:keep - 1].sum() < 0.8 <= full[:keep].sum()  # the smallest prefix reaching top_p
     assert Sampler(SamplingParams(1.0, top_p=1e-9)).probs(logits)[0].argmax() == 0
+
+
+def test_greedy_rows_take_the_first_maximum_as_torch_does():
+    """argmax_rows (numpy on CPU float32 rows) is torch.argmax's pick: ties go to the first index, a reduced
+    head's FLOOR columns never win, non-contiguous rows and other dtypes (torch's path) agree."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4099, generator=g)
+    x[1, 7] = x[1, 4000] = x[1].max() + 1  # a tie: the first wins
+    x[2] = -1e30
+    x[2, 3001] = 0.5  # a reduced head's row: FLOOR everywhere but its scored ids
+    x[3] = 2.0  # all equal
+    for rows in (x, x[:, ::2], x.t().contiguous().t(), x.double(), x[:1]):
+        assert sampling.argmax_rows(rows) == rows.argmax(-1).tolist()
+    assert sampling.argmax_rows(x)[1:4] == [7, 3001, 0]
