@@ -39,7 +39,7 @@ def draft_dtype_for(draft_dtype, target_dtype, device: str, stored: torch.dtype 
     beside a target whose int8-row head the draft's own matrices can join (target_numerics 'int8')."""
     if draft_dtype is not None:
         return resolve_dtype(draft_dtype, device)
-    int8_rows = INT8 in (target_dtype, target_numerics) and policy.draft_int8_head and policy.draft_int8_layers
+    int8_rows = target_numerics == INT8 and policy.draft_int8_head and policy.draft_int8_layers
     target_dtype = torch.float32 if target_dtype == INT8 else target_dtype
     return torch_backend.default_draft_dtype(device, resolve_dtype(target_dtype, device), stored, int8_rows)
 

@@ -56,7 +56,8 @@ class Timers:
 
 
 def run(rt, prompts: list[str], max_new_tokens: int, block: int | None, target: Timers, draft: Timers) -> dict:
-    target.reset(), draft.reset()
+    target.reset()
+    draft.reset()
     wall = steps = tokens = prefill = 0.0
     for p in prompts:
         began = time.perf_counter()

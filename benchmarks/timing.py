@@ -3,6 +3,7 @@ sys.path): one warm-up call, then the best or the median of `reps` calls."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -25,10 +26,9 @@ def median(f, reps: int) -> float:
     return statistics.median(times_of(f, reps))
 
 
-def options(table: dict, doc: str | None = None):
+def options(table: dict):
     """argparse from a table {flag: (type, default)}: the scripts' options without a copy of the same block."""
-    import argparse
-    ap = argparse.ArgumentParser(description=doc)
+    ap = argparse.ArgumentParser()
     for flag, (kind, default) in table.items():
         ap.add_argument(flag, type=kind, default=default)
     return ap.parse_args()
