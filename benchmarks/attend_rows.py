@@ -1,10 +1,14 @@
 """Issue 26: the fused causal attention op alone (SmolLM2-135M's shape: 9 query heads, 3 K/V heads, head
-dim 64, a float16 K/V cache) for a decode row and verify blocks of 2..16 rows at --context tokens, per layer.
+dim 64, a float16 K/V cache) for a decode row and verify blocks of 2..16 rows at --context tokens, per layer,
+with K in rows of positions and K tiled by 16 positions (what the target's fused ops keep), timed interleaved
+(`--rounds` rounds of both, each `--reps` calls) in one process.
 Minimum over --reps calls (the call nothing interrupted). --save writes the outputs, --check compares
 with a saved file bit for bit (a kernel change must not move a single bit: decode and verify agree only
 because every row's sums keep their order).
 
-    python benchmarks/attend_rows.py [--context 512] [--rows 1,2,4,8,16] [--save out.pt | --check out.pt] [--json out.json]
+    python benchmarks/attend_rows.py [--context 512] [--rows 1,2,4,8,16] [--layouts rows,tiled] [--rounds 3]
+                                     [--save out.pt | --check out.pt] [--json out.json]
+--save/--check hold the outputs of the first layout named.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from timing import options  # noqa: E402
 
 
 OPTIONS = {"--context": (int, 512), "--rows": (str, "1,2,4,8,16"), "--reps": (int, 300), "--threads": (int, 2),
+           "--layouts": (str, "rows,tiled"), "--rounds": (int, 3),
            "--save": (str, None), "--check": (str, None), "--json": (str, None)}
 
 
@@ -37,17 +42,26 @@ def main() -> None:
     cap = args.context + 64
     kc = torch.randn(1, 3, cap, 64, generator=g).half()
     vc = torch.randn(1, 3, cap, 64, generator=g).half()
-    outs, times = {}, {}
-    for rows in [int(r) for r in args.rows.split(",")]:
-        q = torch.randn(1, 9, rows, 64, generator=g)
-        start = args.context - rows
-        best = float("inf")
-        for _ in range(args.reps):
-            began = time.perf_counter()
-            o = k.attend(q, kc, vc, start, wide, True)
-            best = min(best, time.perf_counter() - began)
-        outs[rows], times[rows] = o, best * 1e6
-        print(f"rows {rows:3d}: {best * 1e6:8.1f} us per layer ({best * 1e6 / rows:.1f} per row)")
+    layouts = args.layouts.split(",")
+    caches = {"rows": kc, "tiled": kc.view(1, 3, cap // 16, 16, 64).transpose(-1, -2).contiguous().view(1, 3, cap, 64)}
+    outs, times = {}, {layout: {} for layout in layouts}
+    row_counts = [int(r) for r in args.rows.split(",")]
+    queries = {rows: torch.randn(1, 9, rows, 64, generator=g) for rows in row_counts}
+    for _ in range(args.rounds):
+        for rows in row_counts:
+            q, start = queries[rows], args.context - rows
+            for layout in layouts:
+                best = float("inf")
+                for _ in range(args.reps):
+                    began = time.perf_counter()
+                    o = k.attend(q, caches[layout], vc, start, wide, True, layout == "tiled")
+                    best = min(best, time.perf_counter() - began)
+                if layout == layouts[0]:
+                    outs[rows] = o
+                times[layout][rows] = min(times[layout].get(rows, float("inf")), best * 1e6)
+    for rows in row_counts:
+        print(f"rows {rows:3d}: " + ", ".join(f"{layout} {times[layout][rows]:7.1f} us per layer" for layout in layouts)
+              + (f"  (tiled/rows {times['tiled'][rows] / times['rows'][rows]:.2f})" if len(layouts) == 2 else ""))
     if args.save:
         torch.save(outs, args.save)
     if args.check:
@@ -59,7 +73,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": lscpu(), "context": args.context, "threads": args.threads, "isa": "avx512" if wide else "avx2",
-                       "command": " ".join(sys.argv), "us_per_layer": times}, f, indent=1)
+                       "command": " ".join(sys.argv), "rounds": args.rounds, "reps": args.reps,
+                       "us_per_layer": times}, f, indent=1)
 
 
 if __name__ == "__main__":

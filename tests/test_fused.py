@@ -65,9 +65,31 @@ def test_rope_and_cache_write_match_the_torch_layer(ext):
     assert not kc[:, :, :start].any() and not kc[:, :, start + steps:].any()  # nothing else written
 
 
+def tiled(k: torch.Tensor) -> torch.Tensor:
+    """A K cache [1, nkv, cap, D] in the tiled layout (key j's d-th value at (j/16)*16*D + d*16 + j%16)."""
+    _, nkv, cap, dim = k.shape
+    return k.view(1, nkv, cap // 16, 16, dim).transpose(-1, -2).reshape(1, nkv, cap, dim)
+
+
+def test_rope_writes_a_tiled_k_cache(ext):
+    """tiled=True: the same k values, each in its tile of 16 positions d-major; v as ever."""
+    torch.manual_seed(3)
+    nh, nkv, dim, cap, start = 3, 1, 64, 48, 13
+    for kv in (torch.float32, torch.float16):
+        qkv, cos, sin = torch.randn(1, 7, (nh + 2 * nkv) * dim), torch.randn(7, dim), torch.randn(7, dim)
+        kc, vc = torch.zeros(1, nkv, cap, dim, dtype=kv), torch.zeros(1, nkv, cap, dim, dtype=kv)
+        kt, vt = kc.clone(), vc.clone()
+        q = ext.rope(qkv, cos, sin, kc, vc, start, nh, nkv)
+        assert torch.equal(ext.rope(qkv, cos, sin, kt, vt, start, nh, nkv, None, None, 0.0, True), q)
+        assert torch.equal(kt, tiled(kc)) and torch.equal(vt, vc) and kc[:, :, start].any()
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        ext.rope(qkv, cos, sin, torch.zeros(1, nkv, 40, dim), torch.zeros(1, nkv, 40, dim), 0, nh, nkv, None, None, 0.0, True)
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiled"])
 @pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
 @pytest.mark.parametrize("dim,start", [(64, 37), (128, 37), (64, 250)])
-def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, start, wide):
+def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, start, wide, layout):
     if not (ext.has_attend and {"avx2", "fma"} <= fused.cpu_flags()):
         pytest.skip("the attention kernel needs x86-64 with AVX2 and FMA")
     if wide and "avx512f" not in fused.cpu_flags():
@@ -78,10 +100,16 @@ def test_attention_is_sdpa_and_each_row_the_same_alone_or_in_a_block(ext, dim, s
     mask = torch.arange(start + steps)[None, :] <= torch.arange(steps)[:, None] + start
     want = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :start + steps], vc[:, :, :start + steps],
                                                             attn_mask=mask, enable_gqa=True)
-    got = ext.attend(q, kc, vc, start, wide)
+    kc[:, :, start + steps:] = 1e4  # past the rows' keys (a longer context, cropped): never seen
+    is_tiled = layout == "tiled"
+    kc = tiled(kc) if is_tiled else kc
+    got = ext.attend(q, kc, vc, start, wide, True, is_tiled)
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, steps, nh * dim), rtol=1e-5, atol=1e-6)
     for t in range(steps):  # a decode step at position start+t gives the verify block's row bit for bit
-        assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t, wide), got[:, t:t + 1])
+        assert torch.equal(ext.attend(q[:, :, t:t + 1].contiguous(), kc, vc, start + t, wide, True, is_tiled),
+                           got[:, t:t + 1])
+    for rows in (2, 5):  # and so does any shorter block (other work items, other row groups)
+        assert torch.equal(ext.attend(q[:, :, :rows].contiguous(), kc, vc, start, wide, True, is_tiled), got[:, :rows])
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -95,14 +123,16 @@ def test_float16_caches_are_read_and_written_as_their_float32_values(ext, wide):
     nh, nkv, dim, cap, start = 6, 2, 64, 320, 200
     for steps in (1, 3, 16):
         qkv, cos, sin = torch.randn(1, steps, (nh + 2 * nkv) * dim), torch.randn(steps, dim), torch.randn(steps, dim)
-        kf, vf = torch.randn(1, nkv, cap, dim).half().float(), torch.randn(1, nkv, cap, dim).half().float()
-        kh, vh = kf.half(), vf.half()
-        q = ext.rope(qkv, cos, sin, kf, vf, start, nh, nkv)
-        assert torch.equal(ext.rope(qkv, cos, sin, kh, vh, start, nh, nkv), q)
-        assert torch.equal(kh, kf.half()) and torch.equal(vh, vf.half())
-        kf, vf = kh.float(), vh.float()  # what the float16 cache holds
-        for causal in (True, False):
-            assert torch.equal(ext.attend(q, kh, vh, start, wide, causal), ext.attend(q, kf, vf, start, wide, causal))
+        for layout in (False, True):  # K in rows, K tiled by 16 positions
+            kf, vf = torch.randn(1, nkv, cap, dim).half().float(), torch.randn(1, nkv, cap, dim).half().float()
+            kh, vh = kf.half(), vf.half()
+            q = ext.rope(qkv, cos, sin, kf, vf, start, nh, nkv, None, None, 0.0, layout)
+            assert torch.equal(ext.rope(qkv, cos, sin, kh, vh, start, nh, nkv, None, None, 0.0, layout), q)
+            assert torch.equal(kh, kf.half()) and torch.equal(vh, vf.half())
+            kf, vf = kh.float(), vh.float()  # what the float16 cache holds
+            for causal in (True, False):
+                assert torch.equal(ext.attend(q, kh, vh, start, wide, causal, layout),
+                                   ext.attend(q, kf, vf, start, wide, causal, layout))
 
 
 QWEN_STYLE = {"qwen3, q/k norms, SDPA": ("qwen3", {}), "qwen3, q/k norms, C++ attention": ("qwen3", {"head_dim": 64}),

@@ -79,6 +79,11 @@ class FusedLayerOps:
         self.causal, self.stack = causal, stack
         self.stacks: dict[int, tuple] = {}  # id(walk) -> (walk, its native arguments or None)
         self.needs_mask = not attend  # the C++ attention masks each row itself; SDPA takes a mask
+        # With the C++ attention the K cache is tiled by 16 positions (kernels/fused.cpp, scores_tiled): a
+        # tile's scores are one chain of fmas per key, no transposing tree, and verify rows share each
+        # loaded tile. Only these ops write and read such a cache (SDPA's views need positions in rows). A
+        # benchmark may set it False on a fresh cache (benchmarks/verify_layout_ab.py: the layouts compared).
+        self.tiled = attend
 
     def layers(self, walk, h, first_norm, cache, start: int, cos, sin, capture) -> tuple | None:
         """(the rows after the final norm, the captured residual streams): the whole walk in one C++ call
@@ -97,7 +102,7 @@ class FusedLayerOps:
         mats, modes, amx, ns, biases, norms, qk_norms, _ = args
         out = self.k.layers(h, first_norm, mats, modes, amx, ns, biases, norms, qk_norms, cache.k[:len(walk)],
                             cache.v[:len(walk)], cos, sin, start, self.nh, self.nkv, self.eps, self.wide,
-                            self.causal, sorted(capture))
+                            self.causal, self.tiled, sorted(capture))
         return out[0], out[1:]
 
     def norm(self, h, w):
@@ -111,9 +116,9 @@ class FusedLayerOps:
         """q|k|v, RoPE, the cache write, attention and o_proj on the normed input x."""
         kc, vc, qkv = cache.k[i], cache.v[i], linear(x, layer.mm_qkv, layer.bqkv)
         norms = () if layer.q_norm is None else (layer.q_norm, layer.k_norm, self.eps)
-        if self.attend:  # row by row: the same bits alone or in a verify block
-            q = self.k.rope(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, *norms)
-            o = self.k.attend(q, kc, vc, start, self.wide, self.causal)
+        if self.attend:  # row by row: the same bits alone or in a verify block; K tiled (see `tiled`)
+            q = self.k.rope(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, *(norms or (None, None, 0.0)), self.tiled)
+            o = self.k.attend(q, kc, vc, start, self.wide, self.causal, self.tiled)
         else:
             q, keys, values = self.k.rope_qkv(qkv, cos, sin, kc, vc, start, self.nh, self.nkv, True, norms)
             o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
@@ -126,8 +131,9 @@ class FusedLayerOps:
     def context_kv(self, layer, x, cache, i: int, start: int, cos, sin) -> None:
         """A draft's context: k (k-normed, with RoPE) and v of the fused features x into the caches at start..
         (the RoPE op with no query heads)."""
-        norms = () if layer.k_norm is None else (layer.k_norm, layer.k_norm, self.eps)
-        self.k.rope(linear(x, layer.mm_kv, layer.bkv), cos, sin, cache.k[i], cache.v[i], start, 0, self.nkv, *norms)
+        norms = (None, None, 0.0) if layer.k_norm is None else (layer.k_norm, layer.k_norm, self.eps)
+        self.k.rope(linear(x, layer.mm_kv, layer.bkv), cos, sin, cache.k[i], cache.v[i], start, 0, self.nkv, *norms,
+                    self.tiled)
 
 
 def native_walk(walk) -> tuple | None:

@@ -82,6 +82,7 @@ class KVCache:
         if n <= have:
             return
         size = min(max(n, 2 * have), max(n, self.limit))
+        size = -(-size // 16) * 16  # whole tiles of 16 positions (the fused attention's tiled K); copied whole below
         shape = self.shape[:2] + (size,) + self.shape[3:]
         new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
         new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]

@@ -92,11 +92,12 @@ static inline void rope_row(const float* x, const float* c, const float* s, int6
 // each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
 at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, int64_t start,
                     int64_t nh, int64_t nkv, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
-                    double eps) {
+                    double eps, bool tiled) {
   auto x = qkv.contiguous();
   auto cs = cos.contiguous(), sn = sin.contiguous();
   const int64_t T = x.size(1), D = cs.size(-1), W = (nh + 2 * nkv) * D, cap = kc.size(2);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value() && D <= 256, "rope_qkv: both q/k norms or neither, D <= 256");
+  TORCH_CHECK(!tiled || cap % 16 == 0, "rope_qkv: a tiled K cache holds whole tiles of 16 positions");
   auto q = at::empty({1, nh, T, D}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
@@ -120,6 +121,15 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
     for (int64_t h = 0; h < nkv; ++h) {
       const int64_t at = (h * cap + start + t) * D;
       const float* v = row + (nh + nkv + h) * D;
+      if (tiled) {  // K into its tile of 16 positions, d-major (attend's tiled scores); V as ever
+        const int64_t p = start + t, kat = h * cap * D + p / 16 * 16 * D + p % 16;
+        rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
+        for (int64_t i = 0; i < D; ++i) {
+          if (half) { kh[kat + i * 16] = at::Half(rotated[i]); vh[at + i] = at::Half(v[i]); }
+          else { kp[kat + i * 16] = rotated[i]; vp[at + i] = v[i]; }
+        }
+        continue;
+      }
       if (!half) {
         rope_row(head(row + (nh + h) * D, kn), c, s, D, kp + at);
         std::memcpy(vp + at, v, D * sizeof(float));
@@ -325,10 +335,131 @@ __attribute__((target("avx512f"))) static void values16(const float* s, const KV
   for (int d = 0; d < D; d += 16) { _mm512_storeu_ps(acc + d, ev[d / 16]); _mm512_storeu_ps(acc + D + d, od[d / 16]); }
 }
 
+// values16 for two rows at once over the same keys [j0, j1) (j0, j1 even; D = 64): each V row loaded and
+// converted once for both, and each row's fmas the very ones values16 takes, in its order (bitwise the same)
+template <typename KV>
+__attribute__((target("avx512f"))) static void values16x2(const float* s0, const float* s1, const KV* vc, int64_t j0,
+                                                          int64_t j1, float* acc0, float* acc1) {
+  constexpr int D = 64;
+  __m512 e0[4], o0[4], e1[4], o1[4];
+  for (int d = 0; d < 4; ++d) {
+    e0[d] = _mm512_loadu_ps(acc0 + 16 * d); o0[d] = _mm512_loadu_ps(acc0 + D + 16 * d);
+    e1[d] = _mm512_loadu_ps(acc1 + 16 * d); o1[d] = _mm512_loadu_ps(acc1 + D + 16 * d);
+  }
+  for (int64_t j = j0; j < j1; j += 2) {
+    const __m512 a0 = _mm512_set1_ps(s0[j]), b0 = _mm512_set1_ps(s0[j + 1]);
+    const __m512 a1 = _mm512_set1_ps(s1[j]), b1 = _mm512_set1_ps(s1[j + 1]);
+    for (int d = 0; d < 4; ++d) {
+      const __m512 va = load16(vc + j * D + 16 * d), vb = load16(vc + (j + 1) * D + 16 * d);
+      e0[d] = _mm512_fmadd_ps(a0, va, e0[d]); o0[d] = _mm512_fmadd_ps(b0, vb, o0[d]);
+      e1[d] = _mm512_fmadd_ps(a1, va, e1[d]); o1[d] = _mm512_fmadd_ps(b1, vb, o1[d]);
+    }
+  }
+  for (int d = 0; d < 4; ++d) {
+    _mm512_storeu_ps(acc0 + 16 * d, e0[d]); _mm512_storeu_ps(acc0 + D + 16 * d, o0[d]);
+    _mm512_storeu_ps(acc1 + 16 * d, e1[d]); _mm512_storeu_ps(acc1 + D + 16 * d, o1[d]);
+  }
+}
+
 template <int D>
 __attribute__((target("avx512f"))) static void finish16(const float* acc, float inv, float* o) {
   for (int d = 0; d < D; d += 16)
     _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_loadu_ps(acc + D + d)), _mm512_set1_ps(inv)));
+}
+
+// ---- scores over a K cache tiled by 16 keys (rope_qkv with tiled=true: key j's d-th value at
+// (j/16)*16*D + d*16 + j%16). A tile's 16 scores for one row are then the 16 lanes of one chain of D fmas over
+// d in order: no transposing tree, and a tile loaded (and converted) once serves a group of rows from
+// registers. Each key's score is a chain of its own, whatever rows or keys are beside it: decode and verify
+// agree bit for bit, and the 8- and 16-lane stages give the same scores (the same fmas in the same order).
+// RG rows x TB tiles from tile t; lanes at keys >= n[r] are stored but kept out of the row's maximum (the
+// weights stages zero them).
+template <int D, int RG, int TB, typename KV>
+__attribute__((target("avx512f"))) static void tiles16(const float* const* q, const KV* kt, int64_t t, float scale,
+                                                       const int64_t* n, float* const* s, float* const* mx) {
+  __m512 acc[RG][TB];
+  for (int r = 0; r < RG; ++r)
+    for (int b = 0; b < TB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const KV* base = kt + t * 16 * D;
+  for (int d = 0; d < D; ++d) {
+    __m512 kv[TB];
+    for (int b = 0; b < TB; ++b) kv[b] = load16(base + b * 16 * D + d * 16);
+    for (int r = 0; r < RG; ++r) {
+      const __m512 qd = _mm512_set1_ps(q[r][d]);
+      for (int b = 0; b < TB; ++b) acc[r][b] = _mm512_fmadd_ps(qd, kv[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < RG; ++r) {
+    __m512 m = _mm512_loadu_ps(mx[r]);
+    for (int b = 0; b < TB; ++b) {
+      const int64_t j = (t + b) * 16, left = n[r] - j;
+      const __m512 sc = _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s[r] + j, sc);
+      const __mmask16 real = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+      m = _mm512_mask_max_ps(m, real, m, sc);
+    }
+    _mm512_storeu_ps(mx[r], m);
+  }
+}
+
+// the same chains 8 lanes at a time (a tile is two vectors), fewer rows and tiles at once: 16 registers
+template <int D, int RG, int TB, typename KV>
+__attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* q, const KV* kt, int64_t t, float scale,
+                                                           const int64_t* n, float* const* s, float* const* mx) {
+  __m256 acc[RG][2 * TB];
+  for (int r = 0; r < RG; ++r)
+    for (int b = 0; b < 2 * TB; ++b) acc[r][b] = _mm256_setzero_ps();
+  const KV* base = kt + t * 16 * D;
+  for (int d = 0; d < D; ++d) {
+    __m256 kv[2 * TB];
+    for (int b = 0; b < 2 * TB; ++b) kv[b] = load8(base + (b / 2) * 16 * D + d * 16 + (b % 2) * 8);
+    for (int r = 0; r < RG; ++r) {
+      const __m256 qd = _mm256_set1_ps(q[r][d]);
+      for (int b = 0; b < 2 * TB; ++b) acc[r][b] = _mm256_fmadd_ps(qd, kv[b], acc[r][b]);
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int r = 0; r < RG; ++r) {
+    __m256 m = _mm256_loadu_ps(mx[r]);
+    for (int b = 0; b < 2 * TB; ++b) {
+      const int64_t j = t * 16 + b * 8, left = std::max<int64_t>(-1, std::min<int64_t>(8, n[r] - j));
+      const __m256 sc = _mm256_mul_ps(acc[r][b], _mm256_set1_ps(scale));
+      _mm256_storeu_ps(s[r] + j, sc);
+      const __m256 real = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lane));
+      m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, real));
+    }
+    _mm256_storeu_ps(mx[r], m);
+  }
+}
+
+template <int D, bool W, int RG, typename KV>
+static void tiles_rows(const float* const* q, const KV* kt, int64_t tiles, float scale, const int64_t* n,
+                       float* const* s, float* const* mx) {
+  constexpr int TB = W ? 4 : 2;
+  int64_t t = 0;
+  for (; t + TB <= tiles; t += TB) (W ? tiles16<D, RG, TB, KV> : tiles8<D, RG, TB, KV>)(q, kt, t, scale, n, s, mx);
+  for (; t < tiles; ++t) (W ? tiles16<D, RG, 1, KV> : tiles8<D, RG, 1, KV>)(q, kt, t, scale, n, s, mx);
+}
+
+// every row's scores and maxima over a tiled K, rows in groups of up to 4 (AVX-512) or 2
+template <int D, bool W, typename KV>
+static void scores_tiled(const float* const* q, const KV* kt, const int64_t* n, int R, float scale, float* s,
+                         int64_t ss, float* mx) {
+  constexpr int RGMAX = W ? 4 : 2;
+  float* sr[RGMAX];
+  float* mr[RGMAX];
+  for (int r0 = 0; r0 < R; r0 += RGMAX) {
+    const int rg = std::min(RGMAX, R - r0);
+    int64_t most = 0;
+    for (int r = 0; r < rg; ++r) { most = std::max(most, n[r0 + r]); sr[r] = s + (r0 + r) * ss; mr[r] = mx + 16 * (r0 + r); }
+    const int64_t tiles = (most + 15) / 16;
+    switch (rg) {
+      case 1: tiles_rows<D, W, 1, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
+      case 2: tiles_rows<D, W, 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
+      case 3: tiles_rows<D, W, W ? 3 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
+      default: tiles_rows<D, W, W ? 4 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
+    }
+  }
 }
 
 // R rows (query vectors of one K/V head): q[r], their key counts n[r] -> o[r]. Per-row scratch: s (stride
@@ -340,7 +471,8 @@ __attribute__((target("avx512f"))) static void finish16(const float* acc, float 
 // Retried with the 16-lane stages on a Zen 5 EPYC (AVX-512, 2 threads, 512 keys, 2 interleaved rounds): slower
 // still, 2 rows 14.5 -> 21 us, 8 rows 43.5 -> 55, 16 rows 83.5 -> 105 (and a 16 KB scratch per call costs a
 // decode row 1.5 us); benchmarks/results/attend_convert_once_zen5.json.
-template <int D, bool W, typename KV>
+// TILED: K tiled by 16 keys (scores_tiled); the softmax and values stages are the same either way.
+template <int D, bool W, bool TILED, typename KV>
 static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
                         const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
   constexpr int64_t CH = D == 64 ? 64 : 32;  // keys per chunk: 16 KB of K (or V), kept in L1 across the rows
@@ -348,14 +480,26 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
   std::fill(mx, mx + 16 * R, -INFINITY);
   std::fill(acc, acc + 2 * D * R, 0.0f);
-  for (int64_t c = 0; c < most; c += CH)
-    for (int r = 0; r < R; ++r)
-      if (c < n[r]) (W ? scores16<D, KV> : scores8<D, KV>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
+  if (TILED)
+    scores_tiled<D, W, KV>(q, kc, n, R, scale, s, ss, mx);
+  else
+    for (int64_t c = 0; c < most; c += CH)
+      for (int r = 0; r < R; ++r)
+        if (c < n[r]) (W ? scores16<D, KV> : scores8<D, KV>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
   std::vector<float> inv(R);
   for (int r = 0; r < R; ++r) inv[r] = (W ? weights16 : weights8)(s + r * ss, n[r], mx + 16 * r);
-  for (int64_t c = 0; c < most; c += CH)
-    for (int r = 0; r < R; ++r)
+  for (int64_t c = 0; c < most; c += CH) {
+    int r = 0;
+    if (W && D == 64)  // rows in pairs over their common even span, then each row's own rest
+      for (; r + 1 < R; r += 2) {
+        const int64_t both = c + std::max<int64_t>(0, std::min({c + CH, n[r], n[r + 1]}) - c) / 2 * 2;
+        if (both > c) values16x2<KV>(s + r * ss, s + (r + 1) * ss, vc, c, both, acc + 2 * D * r, acc + 2 * D * (r + 1));
+        for (int u = r; u < r + 2; ++u)
+          if (both < std::min(c + CH, n[u])) values16<D, KV>(s + u * ss, vc, both, std::min(c + CH, n[u]), acc + 2 * D * u);
+      }
+    for (; r < R; ++r)
       if (c < n[r]) (W ? values16<D, KV> : values8<D, KV>)(s + r * ss, vc, c, std::min(c + CH, n[r]), acc + 2 * D * r);
+  }
   for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
 }
 
@@ -368,7 +512,7 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
 // a time with every head of one K/V head. Grouping only shares memory traffic: a row's bits stay its own.
 template <typename KV>
 static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
-                            bool causal) {
+                            bool causal, bool tiled) {
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3);
   auto o = at::empty({1, T, nh * D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -376,8 +520,10 @@ static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nk
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t group = nh / nkv, rows = T <= 4 ? T : 4, heads = T <= 4 ? 1 : group;
   const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
-  auto run = D == 64 ? (wide ? attend_rows<64, true, KV> : attend_rows<64, false, KV>)
-                     : (wide ? attend_rows<128, true, KV> : attend_rows<128, false, KV>);
+  auto run = tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
+                              : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
+                   : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
+                              : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
   at::parallel_for(0, nkv * per_g, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = rows * heads;
     std::vector<float> s(most * ss), mx(16 * most), acc(2 * D * most);
@@ -397,15 +543,15 @@ static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nk
   });
   return o;
 }
-at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal) {
+at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, bool wide, bool causal, bool tiled) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
-  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap, "attend: shapes");
+  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap && (!tiled || cap % 16 == 0), "attend: shapes");
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
               "attend: float32 or float16 caches");
   if (kc.scalar_type() == at::kHalf)
-    return attend_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal);
-  return attend_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal);
+    return attend_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
+  return attend_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal, tiled);
 }
 
 #define HAS_ATTEND true
@@ -430,7 +576,7 @@ __attribute__((target("avx2,fma"))) static void silu_mul_row(const float* g, con
 }
 #define HAS_VECTOR_SILU true
 #else
-at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
+at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool, bool, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
 #define HAS_ATTEND false
 #define HAS_VECTOR_SILU false
 static void silu_mul_row(const float*, const float*, int64_t, float*) {}
@@ -486,7 +632,7 @@ std::vector<at::Tensor> layers(at::Tensor h, at::Tensor first_norm, at::TensorLi
                                at::IntArrayRef amx, at::IntArrayRef ns, at::TensorList biases, at::TensorList norms,
                                at::TensorList qk_norms, at::TensorList kc, at::TensorList vc, at::Tensor cos,
                                at::Tensor sin, int64_t start, int64_t nh, int64_t nkv, double eps, bool wide,
-                               bool causal, at::IntArrayRef capture) {
+                               bool causal, bool tiled, at::IntArrayRef capture) {
   const int64_t L = (int64_t)kc.size();
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && (int64_t)mats.size() == 4 * L && (int64_t)modes.size() == 4 * L &&
                   (int64_t)amx.size() == 4 * L && (int64_t)ns.size() == 4 * L && (int64_t)biases.size() == L &&
@@ -502,8 +648,8 @@ std::vector<at::Tensor> layers(at::Tensor h, at::Tensor first_norm, at::TensorLi
     if (biases[i].numel() > 0) qkv = qkv + biases[i];
     c10::optional<at::Tensor> qn, kn;
     if (!qk_norms.empty()) { qn = qk_norms[2 * i]; kn = qk_norms[2 * i + 1]; }
-    at::Tensor q = rope_qkv(qkv, cos, sin, kc[i], vc[i], start, nh, nkv, qn, kn, eps);
-    at::Tensor o = attend(q, kc[i], vc[i], start, wide, causal);
+    at::Tensor q = rope_qkv(qkv, cos, sin, kc[i], vc[i], start, nh, nkv, qn, kn, eps, tiled);
+    at::Tensor o = attend(q, kc[i], vc[i], start, wide, causal, tiled);
     at::Tensor a = product(o.reshape({1, T, -1}), mats[m + 1], modes[m + 1], amx[m + 1], ns[m + 1]);
     std::tie(h, out[0]) = add_rms_norm(h, a, norms[2 * i], eps);
     at::Tensor s = silu_mul(product(out[0], mats[m + 2], modes[m + 2], amx[m + 2], ns[m + 2]));
@@ -520,16 +666,16 @@ std::vector<at::Tensor> layers(at::Tensor h, at::Tensor first_norm, at::TensorLi
 static bool has_attend() { return HAS_ATTEND; }
 
 TORCH_LIBRARY(hetero_sd_fused, m) {  // torch.ops.hetero_sd_fused.*: the dispatcher releases the GIL around a call
-  m.def("attend(Tensor q, Tensor kc, Tensor vc, int start, bool wide, bool causal=True) -> Tensor");
+  m.def("attend(Tensor q, Tensor kc, Tensor vc, int start, bool wide, bool causal=True, bool tiled=False) -> Tensor");
   m.def("has_attend() -> bool", &has_attend);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int nh, int nkv, "
-        "Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> Tensor");
+        "Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool tiled=False) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("layers(Tensor h, Tensor first_norm, Tensor[] mats, int[] modes, int[] amx, int[] ns, Tensor[] biases, "
         "Tensor[] norms, Tensor[] qk_norms, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor cos, Tensor sin, int start, "
-        "int nh, int nkv, float eps, bool wide, bool causal, int[] capture) -> Tensor[]");
+        "int nh, int nkv, float eps, bool wide, bool causal, bool tiled, int[] capture) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(hetero_sd_fused, CPU, m) {
   m.impl("attend", &attend);
