@@ -90,82 +90,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// tile512 over two neighbouring tiles (32 columns) at once, up to 4 rows: each row's broadcast codes serve
-// both tiles (half the broadcast loads per product), every column's operations the ones tile512 takes, in
-// its order (bitwise the same). Q4_1, one thread, Zen 5: 8-15% less time at 2-16 rows than tile512 (rows of 8);
-// on the Q8_0 head 5-35% MORE (its 1-row product streams 28 MB; two streams at once prefetch worse), so the
-// head stays on tile512.
-template <int R, bool Q41>
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void pair512(Rows x, const uint8_t* w0, const uint8_t* w1,
-                                                                             float* y, int64_t ldy) {
-  constexpr int NB = 16, BB = (Q41 ? 20 : 34) * NB, HEAD = (Q41 ? 4 : 2) * NB;
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < x.KB; ++b) {
-    const uint8_t* b0 = w0 + b * BB;
-    const uint8_t* b1 = w1 + b * BB;
-    for (int l = 0; l < BB; l += 64) {
-      _mm_prefetch((const char*)(b0 + 12 * BB + l), _MM_HINT_T0);
-      _mm_prefetch((const char*)(b1 + 12 * BB + l), _MM_HINT_T0);
-    }
-    __m512i s0[R], s1[R];
-    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-    for (int g = 0; g < (Q41 ? 4 : 8); ++g) {
-      const __m512i v0 = _mm512_loadu_si512((const void*)(b0 + HEAD + g * 64));
-      const __m512i v1 = _mm512_loadu_si512((const void*)(b1 + HEAD + g * 64));
-      if (Q41) {
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = x.q + r * x.K + b * 32;
-          const __m512i xl = _mm512_set1_epi32(*(const int32_t*)(q + 4 * g)), xh = _mm512_set1_epi32(*(const int32_t*)(q + 16 + 4 * g));
-          s0[r] = _mm512_dpbusd_epi32(s0[r], lo0, xl);
-          s1[r] = _mm512_dpbusd_epi32(s1[r], lo1, xl);
-          s0[r] = _mm512_dpbusd_epi32(s0[r], hi0, xh);
-          s1[r] = _mm512_dpbusd_epi32(s1[r], hi1, xh);
-        }
-      } else {
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(*(const int32_t*)(x.q + r * x.K + b * 32 + 4 * g));
-          s0[r] = _mm512_dpbusd_epi32(s0[r], v0, xv);
-          s1[r] = _mm512_dpbusd_epi32(s1[r], v1, xv);
-        }
-      }
-    }
-    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b0));
-    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b1));
-    const __m512 m0 = Q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b0 + 2 * NB))) : _mm512_setzero_ps();
-    const __m512 m1 = Q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b1 + 2 * NB))) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      int64_t i = r * x.KB + b;
-      if (!Q41) {
-        const __m512i c = _mm512_set1_epi32(128 * x.sq[i]);
-        s0[r] = _mm512_sub_epi32(s0[r], c);
-        s1[r] = _mm512_sub_epi32(s1[r], c);
-      }
-      const __m512 dx = _mm512_set1_ps(x.dx[i]);
-      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc1[r]);
-      if (Q41) {
-        const __m512 ms = _mm512_set1_ps(x.ms[i]);
-        acc0[r] = _mm512_fmadd_ps(m0, ms, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(m1, ms, acc1[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, acc0[r]);
-    _mm512_storeu_ps(y + r * ldy + NB, acc1[r]);
-  }
-}
-
-using Pair = void (*)(Rows, const uint8_t*, const uint8_t*, float*, int64_t);
-template <bool Q41> static Pair pick_pair(int r) {
-  switch (r) { case 1: return pair512<1, Q41>; case 2: return pair512<2, Q41>; case 3: return pair512<3, Q41>;
-               default: return pair512<4, Q41>; }
-}
-
 // AVX2 (vpmaddubsw + vpmaddwd). Q4_1: up to 4 rows per loaded tile, accumulators in registers. Q8_0 (the head,
 // the largest matrix): up to 8 rows, their float accumulators in memory (8 rows of int32 sums fill the
 // registers): 5-14% less time than 4 rows at 8-33 rows on an 8192-column Q8_0 matrix in 2 of 3 interleaved runs
@@ -337,16 +261,7 @@ at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int
     });
   } else {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      int64_t t = begin;
-      if (avx512 && q41)  // Q4_1 tiles in pairs (pair512); the Q8_0 head stays on tile512 (pairs: 5-35% slower there)
-        for (; t + 1 < end; t += 2)
-          for (int64_t r0 = 0; r0 < M; r0 += 4) {
-            int r = (int)std::min<int64_t>(4, M - r0);
-            Rows rows{q.data() + r0 * K, dx.data() + r0 * KB, ms.data() + r0 * KB, sq.data() + r0 * KB, K, KB};
-            (q41 ? pick_pair<true>(r) : pick_pair<false>(r))(rows, wp + t * stride, wp + (t + 1) * stride,
-                                                               yp + r0 * ldy + t * nb, ldy);
-          }
-      for (; t < end; ++t)
+      for (int64_t t = begin; t < end; ++t)
         for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
           int r = (int)std::min(rows_max, M - r0);
           Rows rows{q.data() + r0 * K, dx.data() + r0 * KB, ms.data() + r0 * KB, sq.data() + r0 * KB, K, KB};
