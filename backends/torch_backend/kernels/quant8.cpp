@@ -90,6 +90,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// Tried and dropped on AVX-512 (Zen 5): Q4_1 tiles in pairs, up to 4 rows (each row's broadcast codes serving
+// 32 columns, bitwise the same sums): 8-15% less time at 2-16 rows on one matrix, one thread, but the whole
+// target's verify-8 took 5.4-5.7 ms against 4.35-4.63 without them (2 threads, 3 alternating runs, minima of
+// 80 forwards); on the Q8_0 head 5-35% slower even alone.
 // AVX2 (vpmaddubsw + vpmaddwd). Q4_1: up to 4 rows per loaded tile, accumulators in registers. Q8_0 (the head,
 // the largest matrix): up to 8 rows, their float accumulators in memory (8 rows of int32 sums fill the
 // registers): 5-14% less time than 4 rows at 8-33 rows on an 8192-column Q8_0 matrix in 2 of 3 interleaved runs
