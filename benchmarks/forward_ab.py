@@ -4,7 +4,7 @@ venv (benchmarks/ab/sitecustomize.py points the editable install at it); after i
 fills 512 tokens of context and takes the minimum over `--reps` forwards per row count (with the features, as
 the decoding loop's verify): this VM's speed drifts by 10-30% between seconds, and `bench --costs`' medians of
 5 calls, run once per side, could not tell a 15% change. `--rounds` runs of each side, in turn; the figure is
-each side's median over rounds.
+each side's median over rounds. Also the prompt's forward of 500 and 1,500 tokens (minimum of 4).
 
     python benchmarks/forward_ab.py --before /tmp/before --rounds 3 --json benchmarks/results/forward_ab_X.json
 """
@@ -44,6 +44,14 @@ for r in rows:
         if i >= 5:
             best = min(best, time.perf_counter() - began)
     out[r] = best * 1e3
+for n in (500, 1500):  # the prompt's forward (prompt processing), from an empty cache
+    ids, best = fill_ids(n, t.config.vocab_size), float("inf")
+    for _ in range(4):
+        t.crop(0)
+        began = time.perf_counter()
+        t.forward(ids, last_only=True)
+        best = min(best, time.perf_counter() - began)
+    out[f"prefill-{n}"] = best * 1e3
 print(json.dumps(out))
 """
 
@@ -71,6 +79,10 @@ def main() -> None:
     one = args.rows.split(",")[0]
     for k in med["after"]:
         b, a = med["before"][k], med["after"][k]
+        if k.startswith("prefill"):
+            n = int(k.split("-")[1])
+            print(f"{k}: before {n / b * 1e3:6.0f} tok/s  after {n / a * 1e3:6.0f} tok/s  after/before (time) {a / b:.3f}")
+            continue
         print(f"rows {k:>2s}: before {b:6.2f} ms ({b / med['before'][one]:.2f} x its {one}-row)  after {a:6.2f} ms "
               f"({a / med['after'][one]:.2f})  after/before {a / b:.3f}")
     if args.json:
