@@ -86,6 +86,52 @@ static inline void rope_row(const float* x, const float* c, const float* s, int6
   }
 }
 
+#if defined(__x86_64__)
+// rope_row, 8 lanes: the same multiplies and adds per element (the target has no FMA: nothing can be
+// contracted), so the same bits as the scalar loop; the tail of a half that is not a multiple of 8 by it
+__attribute__((target("avx2"))) static void rope_row8(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + half + i);
+    const __m256 neg_hi = _mm256_xor_ps(hi, _mm256_set1_ps(-0.0f));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + i)), _mm256_mul_ps(neg_hi, _mm256_loadu_ps(s + i))));
+    _mm256_storeu_ps(out + half + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + half + i)),
+                                                   _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + i))));
+  }
+  for (; i < half; ++i) {
+    out[i] = x[i] * c[i] + -x[i + half] * s[i];
+    out[half + i] = x[half + i] * c[half + i] + x[i] * s[half + i];
+  }
+}
+static inline void rope_any(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  if (has_avx2()) rope_row8(x, c, s, D, out); else rope_row(x, c, s, D, out);
+}
+// n floats to float16 at dst[i * stride], rounded to nearest even by F16C 8 at a time (c10::Half's scalar
+// conversion gives the same bits for every finite value at ~15 cycles each: most of a verify row's RoPE op)
+__attribute__((target("avx2,f16c"))) static void halves8(const float* src, at::Half* dst, int64_t n, int64_t stride) {
+  int64_t i = 0;
+  alignas(16) uint16_t h[8];
+  for (; i + 8 <= n; i += 8) {
+    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    if (stride == 1) { _mm_storeu_si128((__m128i*)(dst + i), v); continue; }
+    _mm_store_si128((__m128i*)h, v);
+    for (int u = 0; u < 8; ++u) std::memcpy(dst + (i + u) * stride, h + u, 2);
+  }
+  for (; i < n; ++i) dst[i * stride] = at::Half(src[i]);
+}
+static inline void to_halves(const float* src, at::Half* dst, int64_t n, int64_t stride) {
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (f16c) { halves8(src, dst, n, stride); return; }
+  for (int64_t i = 0; i < n; ++i) dst[i * stride] = at::Half(src[i]);
+}
+#else
+static inline void to_halves(const float* src, at::Half* dst, int64_t n, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i) dst[i * stride] = at::Half(src[i]);
+}
+static inline void rope_any(const float* x, const float* c, const float* s, int64_t D, float* out) { rope_row(x, c, s, D, out); }
+#endif
+
 // qkv [1, T, (nh + 2 nkv) * D] -> q [1, nh, T, D] with RoPE; k (with RoPE) and v written to the caches
 // [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
 // caller: an op's outputs do not alias its inputs). With q_norm/k_norm (Qwen3-style layers: an RMSNorm of
@@ -108,13 +154,16 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
   float* qp = q.data_ptr<float>();
   float *kp = half ? nullptr : kc.data_ptr<float>(), *vp = half ? nullptr : vc.data_ptr<float>();
   at::Half *kh = half ? kc.data_ptr<at::Half>() : nullptr, *vh = half ? vc.data_ptr<at::Half>() : nullptr;
+  // rows in parallel (each row alone: the same bits), each thread with its own scratch
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
   float normed[256], rotated[256];
   auto head = [&](const float* in, const float* w) -> const float* {
     if (w == nullptr) return in;
     norm_row(in, w, eps, D, normed);
     return normed;
   };
-  for (int64_t t = 0; t < T; ++t) {
+  auto rope_row = rope_any;
+  for (int64_t t = t0; t < t1; ++t) {
     const float* row = xp + t * W;
     const float *c = cp + t * D, *s = sp + t * D;
     for (int64_t h = 0; h < nh; ++h) rope_row(head(row + h * D, qn), c, s, D, qp + (h * T + t) * D);
@@ -124,10 +173,9 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
       if (tiled) {  // K into its tile of 16 positions, d-major (attend's tiled scores); V as ever
         const int64_t p = start + t, kat = h * cap * D + p / 16 * 16 * D + p % 16;
         rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
-        for (int64_t i = 0; i < D; ++i) {
-          if (half) { kh[kat + i * 16] = at::Half(rotated[i]); vh[at + i] = at::Half(v[i]); }
-          else { kp[kat + i * 16] = rotated[i]; vp[at + i] = v[i]; }
-        }
+        if (half) { to_halves(rotated, kh + kat, D, 16); to_halves(v, vh + at, D, 1); continue; }
+        for (int64_t i = 0; i < D; ++i) kp[kat + i * 16] = rotated[i];
+        std::memcpy(vp + at, v, D * sizeof(float));
         continue;
       }
       if (!half) {
@@ -136,9 +184,11 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
         continue;
       }
       rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
-      for (int64_t i = 0; i < D; ++i) { kh[at + i] = at::Half(rotated[i]); vh[at + i] = at::Half(v[i]); }
+      to_halves(rotated, kh + at, D, 1);
+      to_halves(v, vh + at, D, 1);
     }
   }
+  });
   return q;
 }
 
@@ -146,8 +196,8 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
 // ---- causal attention, each query row summed as if alone (decode and verify agree bit for bit) ----
 // torch's SDPA sums in a different order for one query row than for a block of rows, and int8 rows
 // (quant8.py) turn that 1e-6 into different codes. Here each (row, head) takes the same operations in the
-// same order whatever the number of rows: scores q.k_j in 8- or 16-lane sums reduced in a fixed tree, exp
-// by one polynomial, sum and weighted values accumulated over j in order. Rows only share memory traffic:
+// same order whatever the number of rows: scores q.k_j in 8- or 16-lane sums reduced in a fixed tree (over
+// a K cache tiled by 16 positions: one fma chain per key, scores_tiled), exp by one polynomial, sum and weighted values accumulated over j in order. Rows only share memory traffic:
 // a chunk of keys serves all rows of a work item while it is in L1 (attend_rows). AVX2, and a 16-lane
 // AVX-512 variant (~1.2x on a verify block; a machine uses one of them for every row).
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
