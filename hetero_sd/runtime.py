@@ -155,7 +155,7 @@ class Runtime:
 
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
-                 memory: Memory | None = None, lane_threads: bool = False):
+                 memory: Memory | None = None, lane_threads: bool = False, verify_gate: float | None = None):
         """lane_threads: every backend call on its lane's worker thread, none inline in the caller's
         (LoadPolicy.lane_threads; HETERO_SD_LANE_THREADS=1 in the CLI: to measure the inline rule, lanes.py)."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -163,6 +163,7 @@ class Runtime:
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
         self.schedule = check_schedule(schedule)
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
+        self.verify_gate = verify_gate  # None, or the draft probability below which drafts go unverified
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
         self.costs_rechecked = False
@@ -203,7 +204,8 @@ class Runtime:
         distribution before acceptance: decoding/penalties.py),
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
         schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "auto",
-        "fixed" or a size up to the draft's), timeline=None (record into this one)."""
+        "fixed" or a size up to the draft's), verify_gate=None (the runtime's: None, or verify only the drafts
+        before the first whose draft probability is below it: sampling.gated), timeline=None (record into this one)."""
         self.check_open()
         prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat, self.chat_options.override(system_prompt, chat_template_kwargs))
@@ -214,7 +216,7 @@ class Runtime:
                min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, speculative: bool = True, rule: str = "match", schedule: str | None = None,
                timeline: Timeline | None = None, request: int = 0, draft=None,
-               block: str | int | None = None) -> Iterator[StreamEvent]:
+               block: str | int | None = None, verify_gate: float | None = None) -> Iterator[StreamEvent]:
         """Everything is checked here, before any model work; the returned iterator takes its own
         caches (a slot) when first advanced and gives them back when it ends or is closed.
         draft: another draft over the same target (bench's float32 reference); forked per generation."""
@@ -233,6 +235,7 @@ class Runtime:
         use_draft = speculative and self.draft is not None
         if use_draft:
             block = validate.block(self.block if block is None else block, self.draft.block_size)
+            verify_gate = validate.verify_gate(self.verify_gate if verify_gate is None else verify_gate)
         self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
                       schedule=schedule if use_draft else "sequential",
@@ -248,6 +251,7 @@ class Runtime:
                                stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
         if use_draft:
             req.policy = self.block_policy(block, prompt_ids)
+            req.gate = verify_gate
         loop = (decoding.autoregressive if not use_draft else
                 decoding.overlapped if schedule == "overlap" else decoding.speculative)
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
@@ -444,7 +448,7 @@ def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
 
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
-         block_size: int | str | None = None,
+         block_size: int | str | None = None, verify_gate: float | None = None,
          max_context: int | None = None, cpu_threads: int | None = None, policy: LoadPolicy | None = None,
          system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
@@ -462,7 +466,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     block_size: "auto" (the default): a controller chooses, step by step, plain decoding or a block of
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
     under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
-    or a size from 2 to the draft's own, used on every step. policy: how the backends may store and multiply
+    or a size from 2 to the draft's own, used on every step. verify_gate: None (verify every draft of a block), or a
+    draft probability: each block is verified only up to its first draft below it (sampling.gated). policy: how the backends may store and multiply
     the weights (backends/policy.py: GGUF blocks, fused ops, the GEMM kernel, the draft's int8 head); the
     default allows everything this machine runs; the CLI builds it from the HETERO_SD_* variables. draft="auto": the published draft of a
     known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
@@ -485,7 +490,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
                                 code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
-                 lane_threads=(policy or DEFAULT).lane_threads)
+                 lane_threads=(policy or DEFAULT).lane_threads, verify_gate=validate.verify_gate(verify_gate))
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

@@ -214,6 +214,16 @@ def block(value, draft_size: int, name: str = "block"):
     return int(value)
 
 
+def verify_gate(value):
+    """None (every draft verified) or a draft probability in (0, 1): drafts from the first below it go unverified."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+        raise InvalidArgumentError(f"verify gate must be a probability between 0 and 1 (exclusive), got {value!r}",
+                                   "pass e.g. 0.3, or leave it out to verify every draft")
+    return float(value)
+
+
 def block_size(value, draft_size: int):
     """load(block_size=...): None (the default: 'auto') or a block setting as for `block`."""
     return None if value is None else block(value, draft_size, "block size")

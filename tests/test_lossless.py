@@ -76,3 +76,29 @@ def test_raw_ids_skip_chat_template_and_eos(smollm_random):
     out = smollm_random.generate(ids, max_new_tokens=12)
     assert out.prompt_ids == ids
     assert len(out.token_ids) == 12 and out.stats.finish_reason == "length"
+
+
+class UnsureOracle(OracleDraft):
+    """Right everywhere, but unsure (a flat row: probability 1/vocab) of its 4th draft in every block."""
+
+    def propose(self, anchor, position=None, size=None):
+        logits = super().propose(anchor, position, size)
+        if logits.shape[0] > 3:
+            logits[3] = 0.0
+        return logits
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlap"])
+def test_the_verify_gate_cuts_blocks_at_the_first_unsure_draft_and_stays_lossless(smollm_random, baselines, schedule):
+    prompt = PROMPTS[2]
+    base = baselines[prompt]
+    oracle = UnsureOracle(base.prompt_ids + base.token_ids, 16, smollm_random.target.config.vocab_size)
+    rt = with_draft(smollm_random, oracle, schedule)
+    spec = rt.generate(prompt, max_new_tokens=MAX_NEW, verify_gate=0.3)
+    assert spec.token_ids == base.token_ids
+    # every block but the last is verified up to its unsure 4th draft: 3 drafts checked and accepted
+    assert set(spec.stats.accepted_per_step[:-1]) == {3} and set(spec.stats.drafted_per_step[:-1]) == {3}
+    assert spec.stats.gated_drafts >= 12 * (spec.stats.num_drafts - 1)
+    ungated = rt.generate(prompt, max_new_tokens=MAX_NEW)  # the same draft without a gate: whole blocks verified
+    assert ungated.token_ids == base.token_ids and ungated.stats.gated_drafts == 0
+    assert set(ungated.stats.drafted_per_step[:-1]) == {15} and set(ungated.stats.accepted_per_step[:-1]) == {3}

@@ -71,13 +71,14 @@ def chi_square_p(samples: list[tuple], joint: dict[tuple, float]) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def sample_many(rt, params: SamplingParams, speculative=True, rule="match") -> tuple[list[tuple], dict]:
+def sample_many(rt, params: SamplingParams, speculative=True, rule="match", **kw) -> tuple[list[tuple], dict]:
     out, totals = [], Counter()
     for seed in range(N):
         g = rt.generate(PROMPT, max_new_tokens=STEPS, temperature=params.temperature, top_k=params.top_k,
-                        top_p=params.top_p, seed=seed, speculative=speculative, rule=rule)
+                        top_p=params.top_p, seed=seed, speculative=speculative, rule=rule, **kw)
         out.append(tuple(g.token_ids))
-        totals.update(accepted=g.stats.num_accepted_tokens, drafted=g.stats.num_draft_tokens)
+        totals.update(accepted=g.stats.num_accepted_tokens, drafted=g.stats.num_draft_tokens,
+                      gated=g.stats.gated_drafts)
     return out, totals
 
 
@@ -95,6 +96,18 @@ def test_samples_follow_the_target_distribution(pair, rule, params):
     assert p > P_MIN, f"samples do not follow the target distribution (chi-square p = {p:.2e})"
     if rule != "autoregressive":  # both branches of the rule were exercised
         assert 0 < totals["accepted"] < totals["drafted"]
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_gated_blocks_follow_the_target_distribution(pair, rule):
+    """The verify gate cuts a block at the first draft whose q is below it: which drafts are checked depends
+    on the draft alone, so the samples still follow the target (both the gate and acceptance exercised)."""
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="fixed")
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule=rule, verify_gate=0.5)
+    p = chi_square_p(samples, exact_joint(pair[0], params))
+    assert p > P_MIN, f"gated samples do not follow the target distribution (chi-square p = {p:.2e})"
+    assert 0 < totals["accepted"] < totals["drafted"] and totals["gated"] > 0
 
 
 def test_negative_control_catches_a_wrong_rejection_rule(pair, monkeypatch):

@@ -39,6 +39,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--block-size", type=block_arg, default=None,
                    help="'auto' (default: a controller picks plain decoding or a block size each step, from "
                         "measured costs and acceptance), 'fixed' (the draft's own) or a block size")
+    p.add_argument("--verify-gate", type=float, default=None, metavar="P",
+                   help="verify each block only up to its first draft whose draft probability is below P "
+                        "(e.g. 0.3; default: every draft); lossless at any P")
     p.add_argument("--system-prompt", default=None, help="a system message put before chat prompts")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="""JSON object for the chat template, e.g. '{"enable_thinking": false}' (Qwen3's drafts """
@@ -233,8 +236,8 @@ def cmd_chat(args) -> int:
 
     kwargs = dict(target=args.target, draft=None if args.draft == "none" else args.draft, policy=policy_from_env(),
                   target_device=args.target_device, draft_device=args.draft_device, dtype=args.dtype,
-                  block_size=args.block_size, schedule=args.schedule, cpu_threads=args.threads,
-                  system_prompt=args.system_prompt, chat_template_kwargs=args.chat_template_kwargs)
+                  block_size=args.block_size, verify_gate=args.verify_gate, schedule=args.schedule,
+                  cpu_threads=args.threads, system_prompt=args.system_prompt, chat_template_kwargs=args.chat_template_kwargs)
     app = ChatApp(kwargs, temperature=args.temperature, max_new_tokens=args.max_new_tokens, save_dir=args.save_dir)
     app.run()
     if app.return_code:  # Textual sets 1 when the app failed

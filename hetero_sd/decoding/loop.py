@@ -29,7 +29,7 @@ from hetero_sd.backends.base import DraftBackend, TargetBackend
 
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
-from .sampling import Sampler, draft_tokens, verify
+from .sampling import Sampler, draft_tokens, gated, verify
 from hetero_sd.backends.base import logits_of
 from .stats import Stats
 
@@ -80,6 +80,7 @@ class Request:
     stats: Stats
     lanes: Lanes
     rule: str = "match"
+    gate: float | None = None  # verify only the drafts before the first below this draft probability (sampling.gated)
     policy: FixedBlock | AutoBlock | None = None  # the size of each step (speculative loops; None without a draft)
     draft_s: float = 0.0  # what the current step waited for its draft, for the controller's cost model
     context_s: float = 0.0  # of which the draft's catch-up on context (long after a plain stretch)
@@ -185,6 +186,10 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
     start = r.target.length
     drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule)  # row i: position start + 1 + i
+    if r.gate is not None:
+        keep = gated(logits, drafted, q, r.gate)
+        r.stats.gated_drafts += len(drafted) - keep
+        drafted, q = drafted[:keep], (q[:keep] if q is not None else None)
     began = time.perf_counter()
     if launch is None:
         out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
@@ -310,8 +315,10 @@ def hypotheses(logits: torch.Tensor, drafted: list[int], limit: int) -> list[tup
     """The likeliest verification outcomes (j drafts accepted, bonus token c) under the draft's own
     distribution: P ~ prod_{i<j} q_i(d_i) * q_j(c) with c != d_j, where d are the drafted tokens.
     Full acceptance is left out: the block has no prediction for the token after it."""
-    logp = logits_of(logits).float().log_softmax(-1)  # DFlash2: the unary scores, an approximation
-    n, drafted = logp.shape[0], torch.tensor(drafted)
+    if not drafted:  # a gated block with nothing to verify: a plain step's outcome, no guess needed
+        return []
+    logp = logits_of(logits)[:len(drafted)].float().log_softmax(-1)  # DFlash2: the unary scores, an approximation
+    n, drafted = logp.shape[0], torch.tensor(drafted)  # (a gated block: its verified rows only)
     rows = torch.arange(n)
     prefix = torch.cat([torch.zeros(1), logp[rows, drafted].cumsum(0)[:-1]])
     others = logp.index_put((rows, drafted), torch.tensor(float("-inf")))

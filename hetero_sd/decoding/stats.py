@@ -27,6 +27,7 @@ class Stats:
     num_accepted_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     drafted_per_step: list[int] = field(default_factory=list)  # block size - 1 (varies under the controller)
+    gated_drafts: int = 0  # drafts left unverified by the confidence gate (not in num_draft_tokens)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
