@@ -168,11 +168,9 @@ def gated(draft_logits, drafted: list[int], q: torch.Tensor | None, threshold: f
     test in test_sampling.py fails that way at p ~ 1e-8.)"""
     if isinstance(draft_logits, SelectorBlock) or not drafted:
         return len(drafted)
-    if q is not None:
-        conf = q[:len(drafted)].amax(-1)
-    else:
-        rows = draft_logits[:len(drafted)].float()
-        conf = (rows.amax(-1) - rows.logsumexp(-1)).exp()
+    # (softmax, not exp(max - logsumexp): torch's logsumexp takes ~1.3 ms on 7 rows x 49k columns where a reduced
+    # head's rows hold draft_vocab.FLOOR, softmax ~0.1 ms; 2-core Zen 5)
+    conf = (q if q is not None else torch.softmax(draft_logits[:len(drafted)].float(), -1))[:len(drafted)].amax(-1)
     low = (conf < threshold).nonzero()
     return int(low[0, 0]) if low.numel() else len(drafted)
 
