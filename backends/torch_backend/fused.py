@@ -10,6 +10,9 @@ Numerics: the same float32 formulas as layers.py (HF Llama's RMSNorm: x * rsqrt(
 times the weight; RoPE x*cos + rotate_half(x)*sin; silu(g) = g / (1 + exp(-g))), summed in a fixed order
 per row: a row's result is the same alone or in any block of rows (decode and verify agree bit for bit,
 which lossless decoding rests on), and within the parity tests' tolerance of torch's own ops.
+Where the C++ attention runs, the K cache is tiled by 16 positions (key j's d-th value at
+(j/16)*16*D + d*16 + j%16): a tile's scores are one chain of fmas per key over d, and a verify block's rows
+share each tile from registers (verify-8/16 ~0.84x the rows layout's time on the 2-core Zen 5).
 Used for float32 CPU targets (Llama-style like the embedded default; Qwen3's q/k norms are normed inside the
 RoPE op, Qwen2's q|k|v bias added by the q|k|v product) and for a CPU draft's block, as the weight plan
 decides (plan.py; LoadPolicy.fused=False opts out); a kernel that does not build is announced.
