@@ -178,13 +178,30 @@ def gated(draft_logits, drafted: list[int], q: torch.Tensor | None, threshold: f
 def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q: torch.Tensor | None,
            rule: str) -> Verdict:
     """target_logits[i] is the target's distribution for the token after block position i."""
-    if sampler.params.greedy or rule == "match":
+    if not sampler.params.greedy and rule == "match":
+        return matched(sampler, target_logits, drafted)
+    if sampler.params.greedy:
         posterior = sampler.sample(target_logits, drafted)
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == posterior[accepted]:
             accepted += 1
         return Verdict(accepted, drafted[:accepted] + [posterior[accepted]])
     return rejection(sampler, sampler.probs(target_logits, drafted), drafted, q.to(target_logits.device))
+
+
+def matched(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int]) -> Verdict:
+    """Sampling with the match rule: the target draws each position (row i with the uniform of position
+    + i, as `sample` draws all rows at once), and a draft is kept while it equals the draw. Rows past the first
+    mismatch are never drawn: their cumulative sums over the vocabulary (float64) were most of a step's
+    sampling work, and only ~tau of a block's rows are ever needed. Without penalties each row's
+    probabilities are computed only when it is drawn too (with them, row i depends on drafted[:i]: all rows)."""
+    rows = None if not sampler.params.penalized else sampler.probs(target_logits, drafted)
+    for i in range(len(drafted) + 1):
+        probs = rows[i:i + 1] if rows is not None else sampler.probs(target_logits[i:i + 1])
+        token = int(sampler.draw(probs, i)[0])
+        if i == len(drafted) or token != drafted[i]:
+            return Verdict(i, drafted[:i] + [token])
+    raise AssertionError("unreachable: the last row always ends the block")
 
 
 def rejection(sampler: Sampler, p: torch.Tensor, drafted: list[int], q: torch.Tensor) -> Verdict:
