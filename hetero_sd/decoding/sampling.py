@@ -125,9 +125,13 @@ class Sampler:
     def draw(self, probs: torch.Tensor, offset: int | None = None, purpose: str = "sample") -> torch.Tensor:
         """One token per row by inverse CDF (float64, so a zero-probability token is never drawn)."""
         u = torch.tensor(self.uniforms(probs.shape[0], offset, purpose), dtype=torch.float64, device=probs.device)
-        cdf = probs.double().cumsum(-1)
-        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        return idx.clamp_max(probs.shape[-1] - 1)
+        # row by row: torch's CPU cumsum along the last dimension of a [3, 49152] float64 tensor took ~0.7 ms,
+        # of one row ~0.035 ms (2-core Zen 5); each row's sums are the same either way (bitwise)
+        idx = []
+        for i, row in enumerate(probs):
+            cdf = row.double().cumsum(-1)
+            idx.append(torch.searchsorted(cdf, (u[i] * cdf[-1]).reshape(1), right=True))
+        return torch.cat(idx).clamp_max(probs.shape[-1] - 1)
 
     def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> list[int]:
         """One token per row, row i being the token at position + i."""
