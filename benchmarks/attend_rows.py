@@ -8,7 +8,7 @@ because every row's sums keep their order).
 
     python benchmarks/attend_rows.py [--context 512] [--rows 1,2,4,8,16] [--layouts rows,tiled] [--rounds 3]
                                      [--save out.pt | --check out.pt] [--json out.json]
---save/--check hold the outputs of the first layout named.
+--save/--check hold the outputs of the first layout named. --isa avx2 runs the 8-lane (AVX2) stages here too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from timing import options  # noqa: E402
 
 
 OPTIONS = {"--context": (int, 512), "--rows": (str, "1,2,4,8,16"), "--reps": (int, 300), "--threads": (int, 2),
-           "--layouts": (str, "rows,tiled"), "--rounds": (int, 3),
+           "--layouts": (str, "rows,tiled"), "--rounds": (int, 3), "--isa": (str, None),
            "--save": (str, None), "--check": (str, None), "--json": (str, None)}
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = options(OPTIONS)
     torch.set_num_threads(args.threads)
     k = fused.extension()
-    wide = "avx512f" in cpu_flags()
+    wide = "avx512f" in cpu_flags() and args.isa != "avx2"  # --isa avx2: the 8-lane stages on an AVX-512 CPU too
     g = torch.Generator().manual_seed(0)
     cap = args.context + 64
     kc = torch.randn(1, 3, cap, 64, generator=g).half()

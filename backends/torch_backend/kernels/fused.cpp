@@ -485,7 +485,9 @@ __attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* 
 template <int D, bool W, int RG, typename KV>
 static void tiles_rows(const float* const* q, const KV* kt, int64_t tiles, float scale, const int64_t* n,
                        float* const* s, float* const* mx) {
-  constexpr int TB = W ? 4 : 2;
+  // tiles at once: enough independent fma chains to cover the fma latency (a lone row would otherwise wait
+  // on 4 chains of D dependent fmas), within the registers (16 on AVX2)
+  constexpr int TB = W ? (RG == 1 ? 8 : 4) : (RG == 1 ? 4 : 2);
   int64_t t = 0;
   for (; t + TB <= tiles; t += TB) (W ? tiles16<D, RG, TB, KV> : tiles8<D, RG, TB, KV>)(q, kt, t, scale, n, s, mx);
   for (; t < tiles; ++t) (W ? tiles16<D, RG, 1, KV> : tiles8<D, RG, 1, KV>)(q, kt, t, scale, n, s, mx);
