@@ -174,9 +174,10 @@ def gated(draft_logits, drafted: list[int], q: torch.Tensor | None, threshold: f
         return len(drafted)
     # (softmax, not exp(max - logsumexp): torch's logsumexp takes ~1.3 ms on 7 rows x 49k columns where a reduced
     # head's rows hold draft_vocab.FLOOR, softmax ~0.1 ms; 2-core Zen 5)
-    conf = (q if q is not None else torch.softmax(draft_logits[:len(drafted)].float(), -1))[:len(drafted)].amax(-1)
+    n = len(drafted)
+    conf = (q[:n] if q is not None else torch.softmax(draft_logits[:n].float(), -1)).amax(-1)
     low = (conf < threshold).nonzero()
-    return int(low[0, 0]) if low.numel() else len(drafted)
+    return int(low[0, 0]) if low.numel() else n
 
 
 def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q: torch.Tensor | None,
