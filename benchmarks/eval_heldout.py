@@ -41,15 +41,21 @@ def main() -> None:
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
     ap.add_argument("--feature-cache", default="/work/train-out/features")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-rows", type=int, default=0,
+                    help="replay N rows the run TRAINED on instead (every k-th of the training rows, the same split): "
+                         "the gap to the held-out figures says whether the draft overfits its data")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = resolve_target("default")
     rows = load_distilled(Path(args.distill), target)
     held, rest = split_held_out(rows, args.held_out, 0)
+    if args.train_rows:  # the floor's table then counts these rows too: read it as an upper bound
+        stride = max(1, len(rest) // args.train_rows)
+        held = rest[::stride][:args.train_rows]
     held = [r for r in held if len(r["response_ids"]) > 1]
     cpu0 = time.process_time()
-    result = {"held_out_rows": len(held), "max_tokens": args.max_tokens, "block_size": args.block_size,
+    result = {"held_out_rows": 0 if args.train_rows else len(held), "training_rows": len(held) if args.train_rows else 0, "max_tokens": args.max_tokens, "block_size": args.block_size,
               "ngram_floor": ngram_tau(NGramDraft(rest), held, args.block_size, args.max_tokens)}
     drafts = [(name, init_folder(name)) for name in args.draft]
     if args.run:

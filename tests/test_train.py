@@ -225,13 +225,39 @@ def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_di
     a, b = load_weights(tmp_path / "first"), load_weights(tmp_path / "warm")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
-    with pytest.raises(hetero_sd.errors.ConfigError, match="num_hidden_layers"):
-        train(tiny_llama, self_distilled, tmp_path / "x", small_config(steps=1, layers=2,
-                                                                     init=str(tmp_path / "first")))
     other = train(tiny_llama, self_distilled, tmp_path / "b8", small_config(steps=1, eval_every=1, lr=0.0, block_size=8,
                                                                          init=str(tmp_path / "first")))
     assert all(torch.equal(a[k], v) for k, v in load_weights(tmp_path / "b8").items() if k in a)
     assert other["history"][-1]["step"] == 1
+
+
+def test_a_deeper_draft_grown_from_a_shallower_one_starts_as_its_function(tmp_path, tiny_llama, self_distilled):
+    """--layers above the init draft's: its layers come first, each new one starts as an identity (output
+    projections zero), so the grown draft's logits equal the old draft's before a step; its features stay the
+    old draft's layers; a shallower --layers than the init draft is refused by name."""
+    train(tiny_llama, self_distilled, tmp_path / "first", small_config(steps=6, eval_every=6))
+    train(tiny_llama, self_distilled, tmp_path / "grown", small_config(steps=1, eval_every=1, lr=0.0, layers=2,
+                                                                       init=str(tmp_path / "first")))
+    old_raw, new_raw = read_json(tmp_path / "first" / "config.json"), read_json(tmp_path / "grown" / "config.json")
+    assert new_raw["num_hidden_layers"] == 2 and old_raw["num_hidden_layers"] == 1
+    assert new_raw["dflash_config"]["target_layer_ids"] == old_raw["dflash_config"]["target_layer_ids"]
+    a, b = load_weights(tmp_path / "first"), load_weights(tmp_path / "grown")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not b["layers.1.self_attn.o_proj.weight"].any() and not b["layers.1.mlp.down_proj.weight"].any()
+    assert b["layers.1.self_attn.q_proj.weight"].abs().sum() > 0  # a target layer's copy, not zeros
+    tcfg = ArchConfig.from_dict(read_json(tiny_llama / "config.json"))
+    target = load_target(tiny_llama, tcfg, "cpu", torch.float32, old_raw["dflash_config"]["target_layer_ids"])
+    logits = []
+    for raw, weights in ((old_raw, a), (new_raw, b)):
+        model = TrainingDraft(raw, target.embed, target.lm_head.t())
+        model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        torch.manual_seed(0)
+        tokens, features = torch.randint(0, 64, (30,)), torch.randn(30, model.fc.weight.shape[1])
+        with torch.no_grad():
+            logits.append(model.logits(model(features, tokens, torch.tensor([12, 20]))))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    with pytest.raises(hetero_sd.errors.ConfigError, match="num_hidden_layers"):
+        train(tiny_llama, self_distilled, tmp_path / "x", small_config(steps=1, layers=1, init=str(tmp_path / "grown")))
 
 
 def test_gamma_is_passed_down_and_refused_when_not_positive(tmp_path):

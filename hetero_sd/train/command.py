@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="length of the target's answers (default 200; --distill 256)")
     t.add_argument("--gen-batch-size", type=int, default=48, help="answers generated at once")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--layers", type=int, default=2, help="draft layers; above the --init-from draft's, a deeper draft grown from it (new layers start as identities)")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--accumulate", type=int, default=4, help="sequences per optimizer step")

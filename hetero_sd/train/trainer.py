@@ -168,11 +168,18 @@ def init_from_target(model: TrainingDraft, target_tensors: dict, num_target_laye
                     p.copy_(target_tensors[src])
 
 
-def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
+def init_from_draft(model: TrainingDraft, folder: Path, raw: dict, target_folder: Path | None = None) -> None:
     """Warm start from an earlier draft of the same shape (e.g. continue `cpu-trained` on new data): its
-    config must agree on everything that shapes the weights or the features they read."""
+    config must agree on everything that shapes the weights or the features they read. Or a DEEPER draft
+    grown from it (`--layers` above the old draft's): its layers come first, and each new layer is appended
+    as an exact identity, a copy of a target layer with its two output projections (o_proj, down_proj) zeroed:
+    the grown draft starts as the old one's function, and the zeroed matrices are the first to get gradients
+    (the residual branch's output); the new layers read the old draft's feature layers."""
     from safetensors.torch import load_file
     old = read_json(folder / "config.json")
+    grow = raw["num_hidden_layers"] - old.get("num_hidden_layers", 0)
+    if grow > 0:
+        old = dict(old, num_hidden_layers=raw["num_hidden_layers"])
     # block_size shapes no weight either (a block is rows of the same layers): a block-16 draft may go on at 8
     keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "dflash_config")
@@ -185,9 +192,40 @@ def init_from_draft(model: TrainingDraft, folder: Path, raw: dict) -> None:
                           "train with the same --layers/--block-size, or start from the target")
     tensors = load_file(str(folder / "model.safetensors"))
     missing = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False).missing_keys
+    if grow > 0:
+        missing = grow_layers(model, missing, raw["num_hidden_layers"] - grow, target_folder)
     if missing:
         raise ConfigError(f"--init-from {folder}: tensors missing: {', '.join(missing[:4])}",
                           "give a DFlash draft folder written by train-draft")
+
+
+def grow_layers(model: TrainingDraft, missing: list[str], first_new: int, target_folder: Path | None) -> list[str]:
+    """Layers first_new.. of a grown draft (init_from_draft): copies of the target's last layers, o_proj and
+    down_proj zeroed. Returns the tensors still missing (none when the target has every one)."""
+    from hetero_sd.models.weights import load_weights
+    if target_folder is None:
+        return missing
+    target, w = load_weights(target_folder), dict(model.named_parameters())
+    n_draft = model.cfg.arch.num_hidden_layers
+    n_target = ArchConfig.from_dict(read_json(target_folder / "config.json")).num_hidden_layers
+    left = []
+    with torch.no_grad():
+        for name in missing:
+            i, rest = name.removeprefix("layers.").split(".", 1) if name.startswith("layers.") else (None, name)
+            if i is None or int(i) < first_new:
+                left.append(name)
+                continue
+            p = w[name]
+            src = f"model.layers.{n_target - n_draft + int(i)}.{rest}"
+            if rest.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+            elif src in target:
+                p.copy_(target[src])
+            elif rest.endswith(("q_norm.weight", "k_norm.weight")):  # a Llama target has none: Qwen3 norms start at 1
+                p.fill_(1.0)
+            else:
+                left.append(name)
+    return left
 
 
 def sample_anchors(rng: random.Random, prompt_len: int, seq_len: int, count: int) -> torch.Tensor:
@@ -357,6 +395,11 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     rng = random.Random(cfg.seed)
     tcfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
     layer_ids = choose_layers(tcfg.num_hidden_layers, cfg.layers)
+    if cfg.init != "target" and not (resume and (out / "checkpoint.pt").is_file()):
+        # a deeper draft grown from a shallower one reads the features the old one was trained on
+        layer_ids = list(read_json(Path(cfg.init) / "config.json")["dflash_config"]["target_layer_ids"])
+    elif resume and (out / "config.json").is_file():
+        layer_ids = list(read_json(out / "config.json")["dflash_config"]["target_layer_ids"])
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
@@ -396,7 +439,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         from hetero_sd.models.weights import load_weights
         init_from_target(model, load_weights(target_folder), tcfg.num_hidden_layers)
     else:
-        init_from_draft(model, Path(cfg.init), raw)
+        init_from_draft(model, Path(cfg.init), raw, target_folder)
     notes = {"autocast": autocast_note(device, autocast, cfg.autocast),
              "attention": "split (block vs context + within block)" if split else "dense (one masked matrix)",
              "loss": "chunked cross-entropy" if split and cfg.soft == 0 else "cross-entropy over all logits",
