@@ -29,11 +29,14 @@ def cpu_state() -> dict:
             "load_average_at_start": os.getloadavg()}
 
 
-def ours(folder, prompts, args, stops, dtype=torch.float32, numerics="float32"):
+def ours(folder, prompts, args, stops, dtype=torch.float32, numerics="float32", fused=True):
     from hetero_sd.train.batched import BatchedGenerator
 
     gen = BatchedGenerator(folder, slots=args.slots, max_new_tokens=args.max_new_tokens,
-                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype, numerics=numerics)
+                           max_prompt_tokens=args.max_prompt_tokens, stop_ids=stops, dtype=dtype, numerics=numerics,
+                           fused=fused)
+    for note in gen.notes:
+        print(f"note: {note}", flush=True)
     began, cpu = time.perf_counter(), time.process_time()
     answers = {a.key: a.response_ids for a in gen.generate(sorted(prompts, key=lambda p: len(p[1])))}
     return answers, time.perf_counter() - began, time.process_time() - cpu
@@ -81,6 +84,9 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true",
                     help="also ours on the int8 target (int8 rows x the GGUF blocks: the default CPU target), "
                          "between the float32 runs; its answers are checked against that target's own greedy ones")
+    ap.add_argument("--int8-torch-ops", action="store_true",
+                    help="also the int8 target on torch's ops (the generator before the slot kernels), before ours-int8")
+    ap.add_argument("--no-float32", action="store_true", help="leave out ours in float32 (with --int8: int8 runs only)")
     ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' generate")
     ap.add_argument("--note", default="2 shared cores; other helpers' jobs ran at the same time (see load averages)")
     ap.add_argument("--out", default="benchmarks/results/datagen_speed.json")
@@ -109,8 +115,17 @@ def main() -> None:
         def ours_int8(*a):
             return ours(*a, numerics="int8")
         order = order[:-1] + [("ours-int8", ours_int8)] + order[-1:]
+    if args.int8_torch_ops:
+        def ours_int8_torch(*a):
+            return ours(*a, numerics="int8", fused=False)
+        at = [n for n, _ in order].index("ours-int8") if args.int8 else len(order) - 1
+        order = order[:at] + [("ours-int8-torch-ops", ours_int8_torch)] + order[at:]
+        if args.int8:  # and once more after: the two int8 generators alternate (the VM's speed drifts)
+            order = order[:at + 2] + [("ours-int8-torch-ops", ours_int8_torch), ("ours-int8", ours_int8)] + order[at + 2:]
     if args.no_transformers:
         order = [o for o in order if o[0] != "transformers"]
+    if args.no_float32:
+        order = [o for o in order if o[0] != "ours"]
     for name, fn in order:
         answers, seconds, cpu = fn(folder, prompts, args, stops)
         tokens = sum(len(v) for v in answers.values())
@@ -120,10 +135,10 @@ def main() -> None:
         print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s "
               f"({cpu:.1f} CPU s = {tokens / cpu:.1f} tokens per CPU s)", flush=True)
     checks = []
-    for key, ids in prompts[:args.runtime_checks]:
-        ref = rt.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
-        checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == runs[0]["answers"][key]})
     named = {r["generator"]: r for r in runs}
+    for key, ids in prompts[:args.runtime_checks] if "ours" in named else []:
+        ref = rt.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=True).token_ids
+        checks.append({"key": key, "runtime_tokens": len(ref), "equal_to_ours": ref == named["ours"]["answers"][key]})
     if args.int8:
         from hetero_sd.backends.policy import LoadPolicy
 
@@ -139,10 +154,19 @@ def main() -> None:
     def speedup(run: dict, unit: str) -> float:
         return round(run[unit] / base[unit], 2)
 
-    ours_float32 = {"generator": "ours", "tokens_per_s": (runs[0]["tokens_per_s"] + runs[-1]["tokens_per_s"]) / 2,
-                    "tokens_per_cpu_s": (runs[0]["tokens_per_cpu_s"] + runs[-1]["tokens_per_cpu_s"]) / 2}
-    extra = {}
-    if args.int8:
+    def mean(name: str, unit: str) -> float:
+        values = [r[unit] for r in runs if r["generator"] == name]
+        return round(sum(values) / len(values), 1)
+
+    by_generator = {name: {u: mean(name, u) for u in ("tokens_per_s", "tokens_per_cpu_s")} for name in named}
+    ours_float32 = {"generator": "ours", **by_generator.get("ours", by_generator[runs[0]["generator"]])}
+    extra = {"by_generator_mean": by_generator}
+    if args.int8 and args.int8_torch_ops:
+        extra["int8_slot_kernels_over_int8_torch_ops"] = {
+            u: round(mean("ours-int8", u) / mean("ours-int8-torch-ops", u), 2) for u in ("tokens_per_s", "tokens_per_cpu_s")}
+        extra["agreement_int8_slot_kernels_vs_int8_torch_ops"] = agreement(named["ours-int8"]["answers"],
+                                                                           named["ours-int8-torch-ops"]["answers"])
+    if args.int8 and "ours" in named:
         extra["int8_over_ours_float32"] = {u: round(named["ours-int8"][u] / ours_float32[u], 2)
                                            for u in ("tokens_per_s", "tokens_per_cpu_s")}
         extra["agreement_ours_int8_vs_float32"] = agreement(runs[0]["answers"], named["ours-int8"]["answers"])
@@ -160,8 +184,8 @@ def main() -> None:
         "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs],
         # per CPU second: with 1 thread, what the process did when it ran; wall time also counts what
         # other jobs on the 2 shared cores took from it, which changed between the runs
-        "speedup_ours_float32_vs_transformers": {u: speedup(ours_float32, u) for u in ("tokens_per_s",
-                                                                                      "tokens_per_cpu_s")},
+        "speedup_ours_float32_vs_transformers": ({u: speedup(ours_float32, u) for u in ("tokens_per_s", "tokens_per_cpu_s")}
+                                                 if "transformers" in named else None),
         "agreement_ours_vs_transformers": (agreement(runs[0]["answers"], named["transformers"]["answers"])
                                            if "transformers" in named else None),
         "agreement_ours_run1_vs_run2": agreement(runs[0]["answers"], runs[-1]["answers"]),

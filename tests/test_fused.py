@@ -135,6 +135,43 @@ def test_float16_caches_are_read_and_written_as_their_float32_values(ext, wide):
                                    ext.attend(q, kf, vf, start, wide, causal, layout))
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
+@pytest.mark.parametrize("layout", [False, True], ids=["rows", "tiled"])
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "qk-norms"])
+def test_slot_rows_are_each_sequences_own_decode_step(ext, kv, wide, layout, norms):
+    """Batched data generation's rows (rope_slots + attend_slots): row r is one token of the sequence in cache
+    slot slots[r] at position pos[r]; its q, the K/V it writes and its attention output are bit for bit those
+    of that sequence's own decode step (rope_qkv + attend on a one-sequence cache), whatever rows are beside
+    it; other slots and positions are left untouched."""
+    if not (ext.has_attend and {"avx2", "fma"} <= fused.cpu_flags()):
+        pytest.skip("the attention kernel needs x86-64 with AVX2 and FMA")
+    if wide and "avx512f" not in fused.cpu_flags():
+        pytest.skip("the 16-lane attention kernel needs AVX-512F")
+    torch.manual_seed(4)
+    nh, nkv, dim, cap, slots = 6, 2, 64, 96, 5
+    kc, vc = torch.randn(slots, nkv, cap, dim).to(kv), torch.randn(slots, nkv, cap, dim).to(kv)
+    rows, pos = torch.tensor([3, 0, 4, 1]), torch.tensor([70, 5, 33, 16])
+    qkv = torch.randn(len(rows), 1, (nh + 2 * nkv) * dim)
+    cos, sin = torch.randn(len(rows), dim), torch.randn(len(rows), dim)
+    qn = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5, 1e-6) if norms else (None, None, 0.0)
+    before_k, before_v = kc.clone(), vc.clone()
+    q = ext.rope_slots(qkv, cos, sin, kc, vc, rows, pos, nh, nkv, *qn, layout)
+    o = ext.attend_slots(q, kc, vc, rows, pos, wide, layout)
+    assert q.shape == (4, nh, 1, dim) and o.shape == (4, 1, nh * dim)
+    for r, (s, p) in enumerate(zip(rows.tolist(), pos.tolist())):
+        k1, v1 = before_k[s:s + 1].clone(), before_v[s:s + 1].clone()
+        q1 = ext.rope(qkv[r:r + 1], cos[r:r + 1], sin[r:r + 1], k1, v1, p, nh, nkv, *qn, layout)
+        assert torch.equal(q[r:r + 1].transpose(1, 2), q1.transpose(1, 2)) and torch.equal(kc[s:s + 1], k1)
+        assert torch.equal(vc[s:s + 1], v1)
+        assert torch.equal(o[r:r + 1], ext.attend(q1, k1, v1, p, wide, True, layout)), r
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(kc[untouched], before_k[untouched]) and torch.equal(vc[untouched], before_v[untouched])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.attend_slots(q, kc, vc, torch.tensor([3, 0, 5, 1]), pos, wide, layout)
+
+
 QWEN_STYLE = {"qwen3, q/k norms, SDPA": ("qwen3", {}), "qwen3, q/k norms, C++ attention": ("qwen3", {"head_dim": 64}),
               "qwen2, q|k|v bias": ("qwen2", {})}
 

@@ -192,25 +192,29 @@ def test_a_gguf_target_on_the_cpu_is_int8_by_default_and_float32_on_request(defa
 
 
 @pytest.mark.slow
-def test_batched_int8_generation_runs_the_int8_target(default_folder):
-    """Data generation on the int8 kernels: every matrix is int8 rows x GGUF blocks, and a prompt's logits are
-    bitwise the int8 target's with torch's ops (the runtime's fused C++ ops round a few floats differently, and
-    int8 codes turn that into logits up to ~0.6 apart; so do the slots' batched attention sums over a long
-    answer: answers then part at near-ties, as benchmarks/datagen_speed.py --int8 measures)."""
-    from hetero_sd.backends.policy import LoadPolicy
+def test_batched_int8_generation_gives_the_runtimes_own_greedy_answers(default_folder):
+    """Data generation on the runtime's int8 plan and fused kernels: every matrix is int8 rows x GGUF blocks, a
+    prompt is prefilled alone into its slot, and a decode step is one call for all slots (rope_slots,
+    attend_slots); the answers are token for token the runtime's own greedy answers (2 slots for 5 prompts:
+    slots are refilled mid-run, rows decode beside rows at other positions)."""
     from hetero_sd.train.batched import BatchedGenerator
+    from hetero_sd.train.distill import chat_ids
 
-    rt = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(fused=False))
-    gen = BatchedGenerator(default_folder, slots=2, max_new_tokens=12, max_prompt_tokens=16,
+    rt = hetero_sd.load("default", None)
+    gen = BatchedGenerator(default_folder, slots=2, max_new_tokens=24, max_prompt_tokens=48,
                            stop_ids=rt.stop_ids, numerics="int8")
     assert isinstance(gen.model.mm_head, quant8.Int8Blocks)
     assert all(isinstance(getattr(b, a), quant8.Int8Blocks) for b in gen.model.layers
                for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down"))
-    prompts = [rt.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):", "Water boils at")]
-    for ids in prompts:
-        t = rt.target.fork()
-        ref = t.forward(ids, features=False, last_only=True).logits[-1]
-        first = gen.prefill(gen.new_cache(1), torch.tensor([0]), [ids])
-        assert int(first[0]) == int(ref.argmax())
-    answers = list(gen.generate([(str(i), ids) for i, ids in enumerate(prompts)]))
-    assert sorted(a.key for a in answers) == ["0", "1", "2"] and all(0 < len(a.response_ids) <= 12 for a in answers)
+    if not gen.fused:
+        assert gen.notes and "torch's ops" in gen.notes[0]
+        pytest.skip("the fused C++ attention is not available on this CPU (announced in gen.notes)")
+    assert gen.kv_dtype == rt.target.cache.dtype and gen.notes == []
+    texts = ("The capital of France is", "def add(a, b):", "Water boils at", "Name three colors.", "Say hi.")
+    prompts = [(str(i), chat_ids(rt.tokenizer, t)) for i, t in enumerate(texts)]
+    answers = {a.key: a for a in gen.generate(prompts)}
+    assert sorted(answers) == [k for k, _ in prompts]
+    for key, ids in prompts:
+        ref = rt.generate(ids, max_new_tokens=24, stop_at_eos=True).token_ids
+        assert answers[key].response_ids == ref, key
+        assert answers[key].finished == (ref[-1] in rt.stop_ids)

@@ -40,6 +40,7 @@ class FusedOps:
         self.rms_norm, self.add_rms_norm = ns.rms_norm.default, ns.add_rms_norm.default
         self.layers = ns.layers.default
         self.attend, self.silu_mul, self.rope = ns.attend.default, ns.silu_mul.default, ns.rope_qkv.default
+        self.rope_slots, self.attend_slots = ns.rope_slots.default, ns.attend_slots.default  # batched generation's rows
         self.has_attend = bool(ns.has_attend())
 
     def rope_qkv(self, qkv, cos, sin, kc, vc, start: int, nh: int, nkv: int, views: bool, norms=()) -> list:
@@ -107,6 +108,22 @@ class FusedLayerOps:
                             cache.v[:len(walk)], cos, sin, start, self.nh, self.nkv, self.eps, self.wide,
                             self.causal, self.tiled, sorted(capture))
         return out[0], out[1:]
+
+    def slot_layers(self, walk, h, first_norm, kc: list, vc: list, cos, sin, slots, pos) -> torch.Tensor | None:
+        """Rows h [R, 1, H], each one token of its own sequence in cache slot slots[r] (per layer caches
+        [S, nkv, cap, D]) at position pos[r], through the whole walk in one C++ call: the rows after the final
+        norm. Each row takes the steps a decode step of its sequence alone takes (batched data generation: the
+        runtime's own greedy answers). None where the one-call walk does not apply."""
+        if not (self.attend and self.causal):
+            return None
+        held = self.stacks.get(id(walk))
+        if held is None or held[0] is not walk:
+            held = self.stacks[id(walk)] = (walk, native_walk(walk))
+        if held[1] is None:
+            return None
+        mats, modes, amx, ns, biases, norms, qk_norms, _ = held[1]
+        return self.k.layers(h, first_norm, mats, modes, amx, ns, biases, norms, qk_norms, kc, vc, cos, sin, 0,
+                             self.nh, self.nkv, self.eps, self.wide, self.causal, self.tiled, [], slots, pos)[0]
 
     def norm(self, h, w):
         return self.k.rms_norm(h, w, self.eps)

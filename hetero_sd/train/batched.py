@@ -7,12 +7,17 @@ position: a row that reaches EOS leaves at once and the next prompt is prefilled
 every decode step does useful work for nearly every slot.
 
 The forward is the target's own (backends/torch_backend/target.py: TargetModel, the module the runtime
-runs), on a plan without packed copies or fused ops: float32 (plain [in, out] matrices: the fast layout for
-batched float32 rows), or `numerics="int8"`, the default CPU target of a GGUF (int8 rows x its GGUF blocks,
-llama.cpp's numerics: the kernel takes any number of rows and gives each row the bits it has alone). Only
-the batching is written here, as the model's ops strategy for the layer's attention: slots over one cache,
-and attention for one query per row. Greedy answers equal the runtime's own greedy decoding of that target
-up to float rounding of batched attention."""
+runs). Two plans:
+- `numerics="int8"`, the default CPU target of a GGUF, on the runtime's own plan and kernels (int8 rows x its
+  GGUF blocks, the fused C++ layer ops, a float16 K/V cache tiled as the runtime keeps it): a prompt is
+  prefilled alone through the runtime's one-call layer walk into its slot, and a decode step is ONE call for
+  every slot's row (kernels/fused.cpp `layers` with slots: each row its own RoPE position and its own slot's
+  attention, which takes the very steps a decode step of that sequence alone takes). The answers are then
+  bitwise the runtime's own greedy answers. Where the fused attention is unavailable it runs on torch's ops
+  (announced in `notes`; answers then part from the runtime's at near-ties).
+- float32 (plain [in, out] matrices: the fast layout for batched float32 rows, torch's ops); its attention
+  for one query per row is written here. Answers equal the runtime's float32 greedy decoding up to float
+  rounding of batched attention."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.backends.torch_backend.layers import DecoderLayer, Rope, TorchOps, linear
@@ -33,8 +39,8 @@ from hetero_sd.models.weights import converted_from, load_weights
 
 # dense matrices and torch's ops: the plan for many rows at once (packing and blocks serve 1-64 rows)
 PLAIN = LoadPolicy(quant=False, fused=False, gemm=False, origin="batched data generation")
-# int8 rows x the GGUF blocks for every matrix, torch's ops around them (the fused ops serve one sequence)
-BLOCKS = LoadPolicy(fused=False, gemm=False, origin="batched data generation")
+# int8 rows x the GGUF blocks for every matrix, and the runtime's fused C++ ops around them
+BLOCKS = LoadPolicy(gemm=False, origin="batched data generation")
 
 
 @dataclass
@@ -49,28 +55,38 @@ class BatchedGenerator:
     """Greedy answers for many prompts: `generate(prompts)` yields an Answer as each one finishes."""
 
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32, numerics: str = FLOAT32):
+                 stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32, numerics: str = FLOAT32,
+                 fused: bool = True):
+        """fused=False: the int8 plan on torch's ops (the slower path before the slot kernels; comparisons)."""
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
-        self.cfg, self.slots, self.max_new = cfg, slots, max_new_tokens
+        self.cfg, self.slots, self.max_new, self.max_prompt = cfg, slots, max_new_tokens, max_prompt_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
-        self.dtype = dtype
+        self.dtype, self.notes = dtype, []
         if numerics == INT8:
             gguf = converted_from(folder)
             if gguf is None:
                 raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
                                   "is not one", "use --dtype float32, or the GGUF target")
-            plan = plan_target(cfg, gguf, "cpu", torch.float32, INT8, BLOCKS, cpu_flags())
+            policy = BLOCKS if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
+            plan = plan_target(cfg, gguf, "cpu", torch.float32, INT8, policy, cpu_flags())
         else:
             plan = plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
         self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, plan)
-        self.positions = max_prompt_tokens + max_new_tokens
+        plan = self.model.plan
+        # slots on the runtime's fused kernels: one C++ call per decode step (int8 rows need every row's bits alone)
+        self.fused = numerics == INT8 and plan.fused and plan.attend
+        if numerics == INT8 and fused and not self.fused:
+            self.notes.append("batched int8 generation on torch's ops: the fused C++ attention is not available here "
+                              f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
+        self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
+        self.positions = -(-(max_prompt_tokens + max_new_tokens) // 16) * 16  # whole tiles (the tiled K cache)
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
 
     # -- the forward pass: the target module's, with the slots' attention -----------------------------
 
     def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+        return [(torch.zeros(shape, dtype=self.kv_dtype), torch.zeros(shape, dtype=self.kv_dtype))
                 for _ in range(self.cfg.num_hidden_layers)]
 
     @torch.inference_mode()
@@ -78,7 +94,15 @@ class BatchedGenerator:
         """Run prompts (right-padded to one length) into the cache rows `slots`; greedy first tokens [n].
 
         Padding sits after each prompt and the mask is causal, so it never reaches a real position; the
-        padded K/V rows are overwritten by the row's own later tokens and masked until then."""
+        padded K/V rows are overwritten by the row's own later tokens and masked until then. On the fused
+        plan each prompt runs alone into its slot, as the runtime prefills it (the same call, the same bits)."""
+        if self.fused:
+            first = []
+            for s, ids in zip(slots.tolist(), prompts):
+                view = SlotView([k[s:s + 1] for k, _ in cache], [v[s:s + 1] for _, v in cache])
+                normed, _ = self.model(torch.tensor([ids]), view, 0, self.cos[:len(ids)], self.sin[:len(ids)], None)
+                first.append(self.model.logits(normed[0, -1:]).argmax(-1))
+            return torch.cat(first)
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
         mask = torch.ones(width, width, dtype=torch.bool).tril()
@@ -88,8 +112,19 @@ class BatchedGenerator:
         return self.model.logits(normed[torch.arange(len(prompts)), last]).argmax(-1)
 
     @torch.inference_mode()
+    def decode_slots(self, cache, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The fused plan's step: one token per row, row r in cache slot slots[r] at position pos[r], all rows in
+        one C++ call: greedy next tokens [rows]."""
+        h = F.embedding(tokens[:, None], self.model.embed)
+        normed = self.model.ops.slot_layers(self.model.walk, h, self.model.first_norm, [k for k, _ in cache],
+                                            [v for _, v in cache], self.cos[pos], self.sin[pos], slots, pos)
+        return self.model.logits(normed[:, 0]).argmax(-1)
+
+    @torch.inference_mode()
     def decode(self, cache, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One token per cache row, each at its own position: greedy next tokens [rows]."""
+        if self.fused:
+            return self.decode_slots(cache, torch.arange(tokens.shape[0]), tokens, pos)
         span = int(pos.max()) + 1
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None]  # [rows, 1, 1, span]
@@ -114,9 +149,17 @@ class BatchedGenerator:
                     continue
             if not rows.active():
                 return
+            live = rows.active()
+            if self.fused:  # only the live slots' rows: no compaction needed for the tail
+                nxt = self.decode_slots(cache, torch.tensor(live), torch.tensor([rows.out[s][-1] for s in live]),
+                                        torch.tensor([rows.length[s] for s in live])).tolist()
+                for s, t in zip(live, nxt):
+                    rows.length[s] += 1
+                    rows.out[s].append(t)
+                continue
             if rows.exhausted and len(rows.active()) <= 3 * len(rows.keys) // 4:
                 cache = rows.compact(cache)  # the tail: no prompts left to fill free slots
-            live = rows.active()
+                live = rows.active()
             tokens = torch.tensor([rows.out[s][-1] if rows.keys[s] else 0 for s in range(len(rows.keys))])
             pos = torch.tensor([rows.length[s] if rows.keys[s] else 0 for s in range(len(rows.keys))])
             nxt = self.decode(cache, tokens, pos).tolist()
@@ -133,7 +176,7 @@ class BatchedGenerator:
                 rows.exhausted = True
                 break
             key, ids = item
-            if len(ids) > self.positions - self.max_new:
+            if len(ids) > self.max_prompt:
                 raise ValueError(f"prompt {key} has {len(ids)} tokens, more than max_prompt_tokens")
             new.append((s, key, list(ids)))
         if not new:
@@ -151,6 +194,14 @@ class BatchedGenerator:
                 out = rows.out[s]
                 yield Answer(rows.keys[s], rows.prompt[s], out, out[-1] in self.stop)
                 rows.clear(s)
+
+
+class SlotView:
+    """One slot of the caches as a one-sequence cache ([1, nkv, cap, D] views per layer): what the runtime's
+    layer walk writes a prompt into."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
 
 
 class PrefillSlots(TorchOps):

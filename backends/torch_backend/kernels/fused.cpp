@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 static double sum_squares_in_order(const float* x, int64_t H) {
@@ -136,6 +137,36 @@ static inline void rope_any(const float* x, const float* c, const float* s, int6
 // [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
 // caller: an op's outputs do not alias its inputs). With q_norm/k_norm (Qwen3-style layers: an RMSNorm of
 // each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
+// One row of q|k|v at position p: q's heads (with RoPE) to q_out + h * q_stride; k (with RoPE, tiled or not) and v
+// into the caches whose K/V head h starts at kbase/vbase + h * cap * D. With qn/kn each head row is normed first.
+template <typename KV>
+static void rope_one(const float* row, const float* c, const float* s, int64_t D, int64_t nh, int64_t nkv,
+                     const float* qn, const float* kn, double eps, float* q_out, int64_t q_stride, KV* kbase, KV* vbase,
+                     int64_t cap, int64_t p, bool tiled) {
+  constexpr bool half = std::is_same<KV, at::Half>::value;  // a float16 cache (llama.cpp's): rounded to nearest even
+  float normed[256], rotated[256];
+  auto head = [&](const float* in, const float* w) -> const float* {
+    if (w == nullptr) return in;
+    norm_row(in, w, eps, D, normed);
+    return normed;
+  };
+  for (int64_t h = 0; h < nh; ++h) rope_any(head(row + h * D, qn), c, s, D, q_out + h * q_stride);
+  for (int64_t h = 0; h < nkv; ++h) {
+    const int64_t at = (h * cap + p) * D;
+    const float* v = row + (nh + nkv + h) * D;
+    // K tiled: into its tile of 16 positions, d-major (attend's tiled scores); V as ever
+    const int64_t kat = tiled ? h * cap * D + p / 16 * 16 * D + p % 16 : at, kstride = tiled ? 16 : 1;
+    rope_any(head(row + (nh + h) * D, kn), c, s, D, rotated);
+    if constexpr (half) {
+      to_halves(rotated, kbase + kat, D, kstride);
+      to_halves(v, vbase + at, D, 1);
+    } else {
+      for (int64_t i = 0; i < D; ++i) kbase[kat + i * kstride] = rotated[i];
+      std::memcpy(vbase + at, v, D * sizeof(float));
+    }
+  }
+}
+
 at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, int64_t start,
                     int64_t nh, int64_t nkv, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                     double eps, bool tiled) {
@@ -150,44 +181,57 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
   const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
               "rope_qkv: float32 or float16 caches");
-  const bool half = kc.scalar_type() == at::kHalf;  // a float16 cache (llama.cpp's): rows rounded to nearest even
+  const bool half = kc.scalar_type() == at::kHalf;
   float* qp = q.data_ptr<float>();
-  float *kp = half ? nullptr : kc.data_ptr<float>(), *vp = half ? nullptr : vc.data_ptr<float>();
-  at::Half *kh = half ? kc.data_ptr<at::Half>() : nullptr, *vh = half ? vc.data_ptr<at::Half>() : nullptr;
-  // rows in parallel (each row alone: the same bits), each thread with its own scratch
+  // rows in parallel (each row alone: the same bits)
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-  float normed[256], rotated[256];
-  auto head = [&](const float* in, const float* w) -> const float* {
-    if (w == nullptr) return in;
-    norm_row(in, w, eps, D, normed);
-    return normed;
-  };
-  auto rope_row = rope_any;
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* row = xp + t * W;
-    const float *c = cp + t * D, *s = sp + t * D;
-    for (int64_t h = 0; h < nh; ++h) rope_row(head(row + h * D, qn), c, s, D, qp + (h * T + t) * D);
-    for (int64_t h = 0; h < nkv; ++h) {
-      const int64_t at = (h * cap + start + t) * D;
-      const float* v = row + (nh + nkv + h) * D;
-      if (tiled) {  // K into its tile of 16 positions, d-major (attend's tiled scores); V as ever
-        const int64_t p = start + t, kat = h * cap * D + p / 16 * 16 * D + p % 16;
-        rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
-        if (half) { to_halves(rotated, kh + kat, D, 16); to_halves(v, vh + at, D, 1); continue; }
-        for (int64_t i = 0; i < D; ++i) kp[kat + i * 16] = rotated[i];
-        std::memcpy(vp + at, v, D * sizeof(float));
-        continue;
-      }
-      if (!half) {
-        rope_row(head(row + (nh + h) * D, kn), c, s, D, kp + at);
-        std::memcpy(vp + at, v, D * sizeof(float));
-        continue;
-      }
-      rope_row(head(row + (nh + h) * D, kn), c, s, D, rotated);
-      to_halves(rotated, kh + at, D, 1);
-      to_halves(v, vh + at, D, 1);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *row = xp + t * W, *c = cp + t * D, *s = sp + t * D;
+      if (half)
+        rope_one<at::Half>(row, c, s, D, nh, nkv, qn, kn, eps, qp + t * D, T * D, kc.data_ptr<at::Half>(),
+                           vc.data_ptr<at::Half>(), cap, start + t, tiled);
+      else
+        rope_one<float>(row, c, s, D, nh, nkv, qn, kn, eps, qp + t * D, T * D, kc.data_ptr<float>(), vc.data_ptr<float>(),
+                        cap, start + t, tiled);
     }
-  }
+  });
+  return q;
+}
+
+// Slots: R rows, each ONE token of its own sequence (batched data generation): row r at position pos[r] of the
+// cache slot slots[r] (caches [S, nkv, cap, D]); cos/sin [R, D] are the rows' own. Each row takes exactly the
+// steps rope_qkv gives a decode step's row, so a slot's sequence has the bits the runtime's decoding gives it.
+at::Tensor rope_slots(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, at::Tensor slots,
+                      at::Tensor pos, int64_t nh, int64_t nkv, c10::optional<at::Tensor> q_norm,
+                      c10::optional<at::Tensor> k_norm, double eps, bool tiled) {
+  auto x = qkv.contiguous();
+  auto cs = cos.contiguous(), sn = sin.contiguous();
+  auto sl = slots.to(at::kLong).contiguous(), ps = pos.to(at::kLong).contiguous();
+  const int64_t D = cs.size(-1), W = (nh + 2 * nkv) * D, R = x.numel() / W, S = kc.size(0), cap = kc.size(2);
+  TORCH_CHECK(cs.numel() == R * D && sl.numel() == R && ps.numel() == R && D <= 256 && kc.size(1) == nkv,
+              "rope_slots: one cos/sin row, slot and position per row");
+  TORCH_CHECK(!tiled || cap % 16 == 0, "rope_slots: a tiled K cache holds whole tiles of 16 positions");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
+              (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf), "rope_slots: contiguous float32/16 caches");
+  const int64_t *slp = sl.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(slp[r] >= 0 && slp[r] < S && pp[r] >= 0 && pp[r] < cap, "rope_slots: slot or position out of range");
+  auto q = at::empty({R, nh, 1, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
+  const bool half = kc.scalar_type() == at::kHalf;
+  float* qp = q.data_ptr<float>();
+  const int64_t per_slot = nkv * cap * D;
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *row = xp + r * W, *c = cp + r * D, *s = sp + r * D;
+      if (half)
+        rope_one<at::Half>(row, c, s, D, nh, nkv, qn, kn, eps, qp + r * nh * D, D, kc.data_ptr<at::Half>() + slp[r] * per_slot,
+                           vc.data_ptr<at::Half>() + slp[r] * per_slot, cap, pp[r], tiled);
+      else
+        rope_one<float>(row, c, s, D, nh, nkv, qn, kn, eps, qp + r * nh * D, D, kc.data_ptr<float>() + slp[r] * per_slot,
+                        vc.data_ptr<float>() + slp[r] * per_slot, cap, pp[r], tiled);
+    }
   });
   return q;
 }
@@ -606,6 +650,57 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
   return attend_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal, tiled);
 }
 
+// Slots (rope_slots): q [R, nh, 1, D], row r one query at position pos[r] over its own cache slot slots[r]
+// (caches [S, nkv, cap, D]) -> o [R, 1, nh * D]. A work item is one row's query heads of one K/V head: they share
+// each loaded tile (a row's bits are its own, as in attend_on, so each equals the runtime's decode step).
+template <typename KV>
+static at::Tensor attend_slots_on(at::Tensor q, const KV* kp, const KV* vp, const int64_t* slp, const int64_t* pp,
+                                  int64_t nkv, int64_t cap, bool wide, bool tiled) {
+  const int64_t R = q.size(0), nh = q.size(1), D = q.size(3), group = nh / nkv;
+  auto o = at::empty({R, 1, nh * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)D);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; ++r) longest = std::max(longest, pp[r] + 1);
+  const int64_t ss = (longest + 31) / 16 * 16;
+  auto run = tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
+                              : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
+                   : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
+                              : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
+  at::parallel_for(0, R * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(group * ss), mx(16 * group), acc(2 * D * group);
+    std::vector<const float*> qs(group);
+    std::vector<float*> os(group);
+    std::vector<int64_t> ns(group);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / nkv, g = i % nkv;
+      for (int64_t u = 0; u < group; ++u) {
+        const int64_t h = g * group + u;
+        qs[u] = qp + (r * nh + h) * D; os[u] = op + r * nh * D + h * D; ns[u] = pp[r] + 1;
+      }
+      const int64_t base = (slp[r] * nkv + g) * cap * D;
+      run(qs.data(), os.data(), ns.data(), (int)group, kp + base, vp + base, scale, s.data(), ss, mx.data(), acc.data());
+    }
+  });
+  return o;
+}
+at::Tensor attend_slots(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor pos, bool wide, bool tiled) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && q.dim() == 4 && q.size(2) == 1,
+              "attend_slots: contiguous q [R, nh, 1, D] and caches");
+  auto sl = slots.to(at::kLong).contiguous(), ps = pos.to(at::kLong).contiguous();
+  const int64_t R = q.size(0), nh = q.size(1), D = q.size(3), S = kc.size(0), nkv = kc.size(1), cap = kc.size(2);
+  TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && sl.numel() == R && ps.numel() == R && (!tiled || cap % 16 == 0),
+              "attend_slots: shapes");
+  const int64_t *slp = sl.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(slp[r] >= 0 && slp[r] < S && pp[r] >= 0 && pp[r] < cap, "attend_slots: slot or position out of range");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
+              "attend_slots: float32 or float16 caches");
+  if (kc.scalar_type() == at::kHalf)
+    return attend_slots_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
+  return attend_slots_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), slp, pp, nkv, cap, wide, tiled);
+}
+
 #define HAS_ATTEND true
 
 // silu(g) * u = g / (1 + e^-g) * u, 8 lanes (e^x by exp8's polynomial, clamped to [-87, 88])
@@ -629,6 +724,7 @@ __attribute__((target("avx2,fma"))) static void silu_mul_row(const float* g, con
 #define HAS_VECTOR_SILU true
 #else
 at::Tensor attend(at::Tensor q, at::Tensor, at::Tensor, int64_t, bool, bool, bool) { TORCH_CHECK(false, "attend: x86-64 only"); return q; }
+at::Tensor attend_slots(at::Tensor q, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool, bool) { TORCH_CHECK(false, "attend_slots: x86-64 only"); return q; }
 #define HAS_ATTEND false
 #define HAS_VECTOR_SILU false
 static void silu_mul_row(const float*, const float*, int64_t, float*) {}
@@ -684,9 +780,12 @@ std::vector<at::Tensor> layers(at::Tensor h, at::Tensor first_norm, at::TensorLi
                                at::IntArrayRef amx, at::IntArrayRef ns, at::TensorList biases, at::TensorList norms,
                                at::TensorList qk_norms, at::TensorList kc, at::TensorList vc, at::Tensor cos,
                                at::Tensor sin, int64_t start, int64_t nh, int64_t nkv, double eps, bool wide,
-                               bool causal, bool tiled, at::IntArrayRef capture) {
+                               bool causal, bool tiled, at::IntArrayRef capture, c10::optional<at::Tensor> slots,
+                               c10::optional<at::Tensor> pos) {
   const int64_t L = (int64_t)kc.size();
-  TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && (int64_t)mats.size() == 4 * L && (int64_t)modes.size() == 4 * L &&
+  const bool batched = slots.has_value();  // rows are one token each of their own slot (rope_slots, attend_slots)
+  TORCH_CHECK(batched == pos.has_value() && (!batched || h.size(1) == 1), "layers: slots and positions together, one token per row");
+  TORCH_CHECK(h.dim() == 3 && (batched || h.size(0) == 1) && (int64_t)mats.size() == 4 * L && (int64_t)modes.size() == 4 * L &&
                   (int64_t)amx.size() == 4 * L && (int64_t)ns.size() == 4 * L && (int64_t)biases.size() == L &&
                   (int64_t)norms.size() == 2 * L && (int64_t)vc.size() == L &&
                   (qk_norms.empty() || (int64_t)qk_norms.size() == 2 * L),
@@ -700,9 +799,10 @@ std::vector<at::Tensor> layers(at::Tensor h, at::Tensor first_norm, at::TensorLi
     if (biases[i].numel() > 0) qkv = qkv + biases[i];
     c10::optional<at::Tensor> qn, kn;
     if (!qk_norms.empty()) { qn = qk_norms[2 * i]; kn = qk_norms[2 * i + 1]; }
-    at::Tensor q = rope_qkv(qkv, cos, sin, kc[i], vc[i], start, nh, nkv, qn, kn, eps, tiled);
-    at::Tensor o = attend(q, kc[i], vc[i], start, wide, causal, tiled);
-    at::Tensor a = product(o.reshape({1, T, -1}), mats[m + 1], modes[m + 1], amx[m + 1], ns[m + 1]);
+    at::Tensor q = batched ? rope_slots(qkv, cos, sin, kc[i], vc[i], *slots, *pos, nh, nkv, qn, kn, eps, tiled)
+                           : rope_qkv(qkv, cos, sin, kc[i], vc[i], start, nh, nkv, qn, kn, eps, tiled);
+    at::Tensor o = batched ? attend_slots(q, kc[i], vc[i], *slots, *pos, wide, tiled) : attend(q, kc[i], vc[i], start, wide, causal, tiled);
+    at::Tensor a = product(o.reshape({h.size(0), T, -1}), mats[m + 1], modes[m + 1], amx[m + 1], ns[m + 1]);
     std::tie(h, out[0]) = add_rms_norm(h, a, norms[2 * i], eps);
     at::Tensor s = silu_mul(product(out[0], mats[m + 2], modes[m + 2], amx[m + 2], ns[m + 2]));
     at::Tensor d = product(s, mats[m + 3], modes[m + 3], amx[m + 3], ns[m + 3]);
@@ -727,7 +827,11 @@ TORCH_LIBRARY(hetero_sd_fused, m) {  // torch.ops.hetero_sd_fused.*: the dispatc
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("layers(Tensor h, Tensor first_norm, Tensor[] mats, int[] modes, int[] amx, int[] ns, Tensor[] biases, "
         "Tensor[] norms, Tensor[] qk_norms, Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor cos, Tensor sin, int start, "
-        "int nh, int nkv, float eps, bool wide, bool causal, bool tiled, int[] capture) -> Tensor[]");
+        "int nh, int nkv, float eps, bool wide, bool causal, bool tiled, int[] capture, Tensor? slots=None, "
+        "Tensor? pos=None) -> Tensor[]");
+  m.def("rope_slots(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor pos, int nh, "
+        "int nkv, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool tiled=False) -> Tensor");
+  m.def("attend_slots(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor pos, bool wide, bool tiled=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hetero_sd_fused, CPU, m) {
   m.impl("attend", &attend);
@@ -736,4 +840,6 @@ TORCH_LIBRARY_IMPL(hetero_sd_fused, CPU, m) {
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul", &silu_mul);
   m.impl("layers", &layers);
+  m.impl("rope_slots", &rope_slots);
+  m.impl("attend_slots", &attend_slots);
 }
