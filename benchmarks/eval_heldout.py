@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
     ap.add_argument("--feature-cache", default="/work/train-out/features")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
+                    help="the target's rows for the features (int8: the runtime's; its own --feature-cache)")
     ap.add_argument("--train-rows", type=int, default=0,
                     help="replay N rows the run TRAINED on instead (every k-th of the training rows, the same split): "
                          "the gap to the held-out figures says whether the draft overfits its data")
@@ -66,7 +68,8 @@ def main() -> None:
         if features is None:
             tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
             features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
-                                    disk=Path(args.feature_cache) if args.feature_cache else None)
+                                    disk=Path(args.feature_cache) if args.feature_cache else None,
+                                    numerics=args.feature_numerics)
         result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size)
     if features is not None and features.disk is not None:
         features.disk.flush()

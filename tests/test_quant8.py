@@ -218,3 +218,17 @@ def test_batched_int8_generation_gives_the_runtimes_own_greedy_answers(default_f
         ref = rt.generate(ids, max_new_tokens=24, stop_at_eos=True).token_ids
         assert answers[key].response_ids == ref, key
         assert answers[key].finished == (ref[-1] in rt.stop_ids)
+
+@pytest.mark.slow
+def test_training_features_of_the_int8_target(default_folder):
+    """--feature-numerics int8: the trainer's features come from the runtime's default CPU target (int8 rows x
+    the GGUF blocks), close to the float32 target's (a draft reads them alike: benchmarks/features_numerics.py)
+    but not the same numbers."""
+    from hetero_sd.train.trainer import FeatureCache
+
+    ids = list(range(1000, 1040))
+    got = {n: FeatureCache(default_folder, [1, 8], budget_bytes=0, numerics=n) for n in ("float32", "int8")}
+    assert got["int8"].target.numerics == "int8" and got["float32"].target.numerics == "float32"
+    a, b = (got[n].compute(ids)[0].float() for n in ("float32", "int8"))
+    assert a.shape == b.shape == (40, 2 * 576) and not torch.equal(a, b)
+    assert (a - b).norm() < 0.05 * a.norm()

@@ -215,6 +215,18 @@ def test_held_out_rows_of_growing_shards_were_never_trained_on():
     assert [r["index"] for r in held + rest] == order
 
 
+def test_each_store_keeps_its_own_held_out_rows():
+    """Training on two stores (e.g. the float32 answers and the int8 answers to other prompts): each store's
+    held-out rows are the ones it has alone, so the first store's evaluation set never changes and is never
+    trained on."""
+    first = [{"index": i, "key": f"sharegpt:c{i}_0#0", "response_ids": [1, 2], "store": 0} for i in range(100)]
+    second = [{"index": 100 + i, "key": f"sharegpt:d{i}_0#3", "response_ids": [1, 2], "store": 1} for i in range(300)]
+    held, rest = split_held_out(first + second, 8, seed=0)
+    alone = split_held_out([{k: v for k, v in r.items() if k != "store"} for r in first], 8, seed=0)[0]
+    assert [r["key"] for r in held if r["store"] == 0] == [r["key"] for r in alone]
+    assert len(held) == 16 and len(rest) == 384 and not {r["key"] for r in held} & {r["key"] for r in rest}
+
+
 def test_init_from_a_draft_starts_from_its_weights(tmp_path, tiny_llama, self_distilled):
     """--init-from: step 0 of the warm start holds the earlier draft's weights (bf16 as saved), a draft of
     another shape is refused by name, and another block size is not another shape (a block is rows)."""

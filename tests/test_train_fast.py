@@ -139,6 +139,12 @@ def test_feature_store_round_trip_resume_and_refusal(tmp_path, tiny_llama):
     assert store.get("k1", [9, 9, 9, 9]) is None  # same key, other tokens: not these features
     with pytest.raises(ConfigError, match="layer_ids"):
         FeatureStore.for_target(tmp_path / "f", tiny_llama, [0, 2], 4)
+    # the int8 target's features never go into a float32 store, nor float32 ones into an int8 store
+    with pytest.raises(ConfigError, match="numerics"):
+        FeatureStore.for_target(tmp_path / "f", tiny_llama, [0, 1], 4, "int8")
+    FeatureStore.for_target(tmp_path / "i", tiny_llama, [0, 1], 4, "int8")
+    with pytest.raises(ConfigError, match="features of the int8 target"):
+        FeatureStore.for_target(tmp_path / "i", tiny_llama, [0, 1], 4)
 
 
 def test_a_crafted_checkpoint_is_refused_not_run(tmp_path, tiny_llama):
@@ -229,7 +235,7 @@ def test_cache_features_command_fills_the_store_the_trainer_reads(tmp_path, tiny
     rows = [{"index": i, "key": f"k{i}", "prompt_ids": [5, 6, 7], "response_ids": list(range(8 + i, 24 + i))}
             for i in range(6)]
     store = tmp_path / "features"
-    cache_features(tiny_llama, rows, argparse.Namespace(layers=1, device="cpu", feature_cache=str(store)))
+    cache_features(tiny_llama, rows, argparse.Namespace(layers=1, device="cpu", feature_cache=str(store), feature_numerics="float32"))
     assert json.loads((store / "progress.json").read_text())["done"] == 6
     cfg = dict(block_size=4, layers=1, steps=2, accumulate=2, held_out=2, eval_every=2, anchors=4)
     logged = []

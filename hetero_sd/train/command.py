@@ -13,7 +13,7 @@ import torch
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading.sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
-from .distill import generate_shards, load_distilled
+from .distill import ShardStore, generate_shards, load_distilled
 from .prompts import training_prompts
 from .trainer import TrainConfig, train
 
@@ -25,9 +25,12 @@ def add_parser(sub) -> None:
     t.add_argument("--target", default="default")
     t.add_argument("--out", help="output folder: the z-lab draft, checkpoint, data (not with --generate-only)")
     t.add_argument("--data", help="JSONL rows {index, prompt_ids, response_ids}; default OUT/data.jsonl")
-    t.add_argument("--distill", metavar="DIR",
-                   help="self-distillation shards of the ShareGPT + stdlib mix in DIR: trained on as they are, "
-                        "or made/extended with --generate-only")
+    t.add_argument("--distill", metavar="DIR", action="append",
+                   help="self-distillation shards of the ShareGPT + stdlib mix in DIR: trained on as they are "
+                        "(repeatable: several stores, each with its own held-out rows), or made/extended with "
+                        "--generate-only (one DIR)")
+    t.add_argument("--skip-answered", metavar="DIR", action="append", default=[],
+                   help="with --generate-only: leave out the prompts another store DIR has answered (repeatable)")
     t.add_argument("--generate-only", action="store_true",
                    help="with --distill: answer the mix's prompts not yet in DIR (resumable), do not train")
     t.add_argument("--sharegpt-turns", choices=["first", "all"], default="first",
@@ -64,6 +67,9 @@ def add_parser(sub) -> None:
     t.add_argument("--attention", choices=["auto", "split", "dense"], default="auto",
                    help="split: block-vs-context + within-block attention (train/fast.py); dense: one masked "
                         "matrix (--pack, other draft formats); auto: split where it applies")
+    t.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
+                   help="the target's rows for the draft's features: float32, or int8 (the runtime's default CPU "
+                        "target of a GGUF, ~4x fewer CPU-seconds); a --feature-cache holds one kind")
     t.add_argument("--feature-cache", metavar="DIR",
                    help="keep the target's features on disk in DIR (bf16, ~5.8 KB per token for SmolLM2; "
                         "resumable, shared by runs): each sequence's target forward runs once")
@@ -111,8 +117,11 @@ def train_command(args: argparse.Namespace) -> None:
     if not args.out and not args.generate_only and not args.cache_features:
         raise ConfigError("train-draft needs --out for the trained draft", "add --out DIR")
     target = resolve_target(args.target)
+    if args.generate_only and len(args.distill) > 1:
+        raise ConfigError("--generate-only extends one --distill store", "give one --distill DIR "
+                          "(--skip-answered DIR leaves out another store's prompts)")
     if args.distill:
-        rows = distill_rows(target, Path(args.distill), args)
+        rows = distill_rows(target, [Path(d) for d in args.distill], args)
         if args.generate_only:
             return
         if args.cache_features:
@@ -122,12 +131,28 @@ def train_command(args: argparse.Namespace) -> None:
     train_on(target, rows, Path(args.out), args)
 
 
-def distill_rows(target: Path, folder: Path, args: argparse.Namespace) -> list[dict]:
+def distill_rows(target: Path, folders: list[Path], args: argparse.Namespace) -> list[dict]:
     """--generate-only: make or extend the shards (hours: a background job). Otherwise: train on the
-    shards as they are, so that training can start while the data job goes on."""
+    shards as they are, so that training can start while the data job goes on; rows of several stores carry
+    their store's number (`store`), so that each store keeps its own held-out rows (trainer.split_held_out)."""
     if not args.generate_only:
-        return load_distilled(folder, target, log=lambda line: err.print(line, highlight=False))
-    record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256,
+        rows: list[dict] = []
+        for i, folder in enumerate(folders):
+            part = load_distilled(folder, target, log=lambda line: err.print(line, highlight=False))
+            rows += [dict(r, index=len(rows) + j, **({"store": i} if len(folders) > 1 else {}))
+                     for j, r in enumerate(part)]
+        return rows
+    folder = folders[0]
+    skip = set()
+    for other in args.skip_answered:
+        skip |= ShardStore.existing(Path(other)).done_keys()
+    prompts = None
+    if skip:
+        from .corpus import training_mix
+        mix, _ = training_mix(args.mix_seed, turns=args.sharegpt_turns)
+        prompts = [p for p in mix if p.key not in skip]
+        err.print(f"--skip-answered: {len(mix) - len(prompts)} of the mix's {len(mix)} prompts are answered elsewhere")
+    record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256, prompts=prompts,
                              max_prompt_tokens=args.max_prompt_tokens, slots=args.gen_batch_size, seed=args.mix_seed,
                              turns=args.sharegpt_turns, limit=args.prompts, progress=folder / "progress.json",
                              dtype=args.gen_dtype,
@@ -160,8 +185,8 @@ def cache_features(target: Path, rows: list[dict], args: argparse.Namespace) -> 
     tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
     layer_ids = choose_layers(tcfg.num_hidden_layers, args.layers)
     folder = Path(args.feature_cache)
-    store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size)
-    features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device)
+    store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size, args.feature_numerics)
+    features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device, numerics=args.feature_numerics)
     fill(store, rows, lambda ids: features.compute(ids)[0], progress=folder / "progress.json",
          log=lambda line: err.print(line, highlight=False, soft_wrap=True))
 
@@ -182,7 +207,8 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
-                      feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent)
+                      feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent,
+                      feature_numerics=args.feature_numerics)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetero_sd.errors import ConfigError
+
 from .distill import open_manifest
 
 FORMAT = 1
@@ -38,11 +40,14 @@ def token_crc(ids) -> int:
     return zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes())
 
 
-def store_manifest(target_folder: Path, layer_ids: list[int], width: int) -> dict:
+def store_manifest(target_folder: Path, layer_ids: list[int], width: int, numerics: str = "float32") -> dict:
+    """numerics: the target's rows, float32 (the stores so far: no key) or int8 (the runtime's default CPU
+    target); a store holds one kind."""
     config = (Path(target_folder) / "config.json").read_bytes()
     return {"format": FORMAT, "target": Path(target_folder).name,
             "target_config_sha1": hashlib.sha1(config).hexdigest(),
-            "layer_ids": list(layer_ids), "dtype": "bfloat16", "width": width}
+            "layer_ids": list(layer_ids), "dtype": "bfloat16", "width": width,
+            **({"numerics": numerics} if numerics != "float32" else {})}
 
 
 class FeatureStore:
@@ -50,6 +55,10 @@ class FeatureStore:
 
     def __init__(self, folder: Path, manifest: dict, flush_tokens: int = 1 << 16):
         self.folder = open_manifest(folder, manifest, "features", "give another --feature-cache folder")
+        stored = json.loads((self.folder / "manifest.json").read_text()).get("numerics", "float32")
+        if stored != manifest.get("numerics", "float32"):  # a float32 manifest names no numerics: check both ways
+            raise ConfigError(f"{folder} holds features of the {stored} target, not the "
+                              f"{manifest.get('numerics', 'float32')} one asked", "give another --feature-cache folder")
         self.manifest, self.width = manifest, manifest["width"]
         self.index: dict[str, tuple[str, int, int, int]] = {}  # key -> (shard, crc, offset, length)
         self.known: set[str] = set()
@@ -60,8 +69,9 @@ class FeatureStore:
         self.refresh()
 
     @classmethod
-    def for_target(cls, folder: Path, target_folder: Path, layer_ids: list[int], width: int) -> "FeatureStore":
-        return cls(Path(folder), store_manifest(target_folder, layer_ids, width))
+    def for_target(cls, folder: Path, target_folder: Path, layer_ids: list[int], width: int,
+                   numerics: str = "float32") -> "FeatureStore":
+        return cls(Path(folder), store_manifest(target_folder, layer_ids, width, numerics))
 
     def refresh(self) -> None:
         """Read the indexes of shards written since (by this process or another one)."""

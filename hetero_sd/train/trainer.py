@@ -63,6 +63,7 @@ class TrainConfig:
     autocast: str = "auto"  # "bf16", "off", or "auto": bf16 where the device computes it natively
     attention: str = "auto"  # "split" (train/fast.py), "dense" (one masked matrix), auto: split where it applies
     feature_cache: str | None = None  # a folder: target features kept on disk across epochs and runs
+    feature_numerics: str = "float32"  # the target's rows for features: float32, or int8 (the runtime's CPU default)
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -76,14 +77,17 @@ class FeatureCache:
     seen only a few times, so recomputing costs little over caching."""
 
     def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0,
-                 device: str = "cpu", disk: Path | None = None):
+                 device: str = "cpu", disk: Path | None = None, numerics: str = "float32"):
+        """numerics "int8": the features of the runtime's default CPU target of a GGUF (int8 rows x its blocks:
+        ~4.4x fewer CPU-seconds per sequence than float32 rows on the 2-core Zen 5; a draft reads them alike,
+        benchmarks/features_numerics.py); kept in a store of their own."""
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
-        self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids)
+        self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids, activations=numerics)
         self.store: OrderedDict[int, tuple] = OrderedDict()
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
         # On disk: features only (soft labels need the target's logits, so they run the target anyway).
         self.disk = None if disk is None or top_k else FeatureStore.for_target(
-            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size)
+            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size, numerics)
         self.computed, self.compute_cpu_s = 0, 0.0  # target forwards run, and their CPU seconds
 
     def __call__(self, index: int, tokens: list[int], key: str | None = None) -> torch.Tensor:
@@ -131,7 +135,16 @@ class FeatureCache:
 def split_held_out(rows: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(held out, the rest in a seeded order). Rows with a prompt key (the distillation shards) are held
     out by a hash of the key: the `count` smallest hashes. As the shards grow that threshold only falls,
-    so a row trained on in an earlier session never becomes a held-out row later."""
+    so a row trained on in an earlier session never becomes a held-out row later. Rows of several stores
+    (a `store` number each) are held out store by store, `count` each: a store's held-out rows stay the same
+    whatever other stores are trained beside it."""
+    if len({r.get("store") for r in rows}) > 1:
+        held, rest = [], []
+        for store in sorted({r.get("store") for r in rows}, key=str):
+            h, r = split_held_out([x for x in rows if x.get("store") == store], count, seed)
+            held, rest = held + h, rest + r
+        random.Random(seed).shuffle(rest)
+        return held, rest
     rows = sorted(rows, key=lambda r: r["index"])
     if rows and all("key" in r for r in rows):
         by_hash = sorted(rows, key=lambda r: zlib.crc32(r["key"].encode()))
@@ -408,7 +421,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         raw["dflash_config"][SHORT_BLOCKS] = True
     device, autocast = train_device(cfg.device, cfg.autocast)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device,
-                            disk=Path(cfg.feature_cache) if cfg.feature_cache else None)
+                            disk=Path(cfg.feature_cache) if cfg.feature_cache else None,
+                            numerics=cfg.feature_numerics)
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     split = attention_path(model, cfg)
     if cfg.short_blocks and split is None:
