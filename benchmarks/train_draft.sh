@@ -7,6 +7,8 @@
 #   ACCUMULATE (sequences per optimizer step, default 4), ANCHORS (blocks per sequence, 0: all), BLOCK (16; 8: gamma 4), GAMMA (the loss's position decay),
 #   SHORT (share of blocks trained at a random shorter length, for the block-size controller's short blocks)
 #   LAYERS (the draft's layers, 2; above the INIT draft's: a deeper draft grown from it, new layers starting as identities)
+#   MORE_DATA (further --distill stores beside the float32 shards, space-separated; each keeps its own held-out rows),
+#   FEATURE_NUMERICS (float32, or int8: the runtime's target; FEATURES must then be a store of int8 features)
 # Resumes from $OUT/checkpoint.pt when it exists (the same command). Stop with: kill $(cat $OUT/pid)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +20,9 @@ PY=${PY:-python}
 RESUME=""; [ -f "$OUT/checkpoint.pt" ] && RESUME=--resume
 mkdir -p "$OUT"
 nice -n 19 nohup env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m hetero_sd.cli train-draft \
-    --target default --distill benchmarks/distill-data/SmolLM2-135M-Instruct --out "$OUT" \
+    --target default --distill benchmarks/distill-data/SmolLM2-135M-Instruct $(for d in ${MORE_DATA:-}; do printf -- '--distill %s ' "$d"; done) --out "$OUT" \
     --init-from "${INIT:-cpu-trained}" --layers "${LAYERS:-2}" --block-size "${BLOCK:-16}" --steps "${STEPS:-6000}" --lr "${LR:-1e-3}" \
-    ${GAMMA:+--gamma "$GAMMA"} ${SHORT:+--short-blocks "$SHORT"} --accumulate "${ACCUMULATE:-4}" --anchors "${ANCHORS:-0}" --vocab-frequent "${VOCAB_K:-8192}" --feature-cache "$FEATURES" --held-out "${HELD_OUT:-256}" \
+    ${GAMMA:+--gamma "$GAMMA"} ${SHORT:+--short-blocks "$SHORT"} --accumulate "${ACCUMULATE:-4}" --anchors "${ANCHORS:-0}" --vocab-frequent "${VOCAB_K:-8192}" --feature-cache "$FEATURES" --feature-numerics "${FEATURE_NUMERICS:-float32}" --held-out "${HELD_OUT:-256}" \
     --soft "$SOFT" --eval-every "${EVAL:-10}" --threads "${THREADS:-1}" $RESUME >> "$OUT/train.log" 2>&1 &
 echo $! > "$OUT/pid"
 echo "train-$ARM $(cat "$OUT/pid"): log $OUT/log.jsonl, $OUT/train.log"
