@@ -5,7 +5,7 @@ right after touching a 64 MB buffer (caches flushed, no target involved); and th
 Q8_0 head, 49152 rows) on 1-8 rows right after a forward: whether fewer verify rows through the head would
 save anything. Medians of --reps calls; the default target and draft, a chat prompt as context.
 
-    python benchmarks/draft_cold.py [--reps 40] [--threads 2] [--draft-bits 8|4] [--json benchmarks/results/draft_cold_zen5.json]
+    python benchmarks/draft_cold.py [--reps 40] [--threads 2] [--json benchmarks/results/draft_cold_zen5.json]
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hetero_sd  # noqa: E402
-from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.train.distill import chat_ids  # noqa: E402
 from timing import options  # noqa: E402
 
-OPTIONS = {"--reps": (int, 40), "--threads": (int, 2), "--draft-bits": (int, 8), "--json": (str, None)}
+OPTIONS = {"--reps": (int, 40), "--threads": (int, 2), "--json": (str, None)}
 
 
 def ms(samples: list[float]) -> float:
@@ -49,7 +48,7 @@ def timed(f, before=None, reps: int = 40) -> float:
 def main() -> None:
     args = options(OPTIONS)
     torch.set_num_threads(args.threads)
-    rt = hetero_sd.load("default", "default", block_size=8, policy=LoadPolicy(draft_bits=args.draft_bits))
+    rt = hetero_sd.load("default", "default", block_size=8)
     target, draft = rt.target, rt.draft
     out = target.forward(chat_ids(rt.tokenizer, "Write a short story about a robot who learns to paint."))
     draft.add_context(out.features)
@@ -60,7 +59,7 @@ def main() -> None:
         target.forward([anchor, 5], features=True)
         target.crop(length)
 
-    result = {"machine": machine(), "command": "python " + " ".join(sys.argv), "reps": args.reps, "draft_bits": args.draft_bits,
+    result = {"machine": machine(), "command": "python " + " ".join(sys.argv), "reps": args.reps,
               "draft_weights_mb": round(draft.weights().read_bytes / 1e6, 1) if draft.weights().read_bytes else None,
               "draft_notes": [n for n in rt.notes if n.startswith("draft")], "draft_block_ms": {}, "head_ms": {}}
     for size in (2, 8):

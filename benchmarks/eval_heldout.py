@@ -22,7 +22,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import ArchConfig, read_json  # noqa: E402
 from hetero_sd.train.command import init_folder  # noqa: E402
@@ -42,8 +41,6 @@ def main() -> None:
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
     ap.add_argument("--feature-cache", default="/work/train-out/features")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--draft-bits", type=int, choices=[4, 8], default=8,
-                    help="the draft's own matrices and reduced head as Q8_0 (8, the default) or Q4_1 (4) blocks")
     ap.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
                     help="the target's rows for the features (int8: the runtime's; its own --feature-cache)")
     ap.add_argument("--train-rows", type=int, default=0,
@@ -60,7 +57,7 @@ def main() -> None:
         held = rest[::stride][:args.train_rows]
     held = [r for r in held if len(r["response_ids"]) > 1]
     cpu0 = time.process_time()
-    result = {"draft_bits": args.draft_bits, "held_out_rows": 0 if args.train_rows else len(held), "training_rows": len(held) if args.train_rows else 0, "max_tokens": args.max_tokens, "block_size": args.block_size,
+    result = {"held_out_rows": 0 if args.train_rows else len(held), "training_rows": len(held) if args.train_rows else 0, "max_tokens": args.max_tokens, "block_size": args.block_size,
               "ngram_floor": ngram_tau(NGramDraft(rest), held, args.block_size, args.max_tokens)}
     drafts = [(name, init_folder(name)) for name in args.draft]
     if args.run:
@@ -73,8 +70,7 @@ def main() -> None:
             features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
                                     disk=Path(args.feature_cache) if args.feature_cache else None,
                                     numerics=args.feature_numerics)
-        result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size,
-                                 LoadPolicy(draft_bits=args.draft_bits))
+        result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size)
     if features is not None and features.disk is not None:
         features.disk.flush()
     result["cpu_s"] = round(time.process_time() - cpu0, 1)

@@ -17,7 +17,7 @@ import torch
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.models import draft_vocab
 
-from . import quant, quant8
+from . import quant8
 from .kernels import KernelUnavailable
 from .matmul import linear, orient
 
@@ -73,18 +73,11 @@ def reduced_blocks(target, ids: torch.Tensor, lm_head: torch.Tensor, device: str
     if not int8 or device != "cpu" or head is None:
         return None, None
     kind, rows = head
-    total, what = rows.shape[0], f"the GGUF's {kind} blocks of those rows"
-    rows = np.ascontiguousarray(np.asarray(rows)[ids.cpu().numpy()])
-    if policy.draft_bits == 4 and kind != quant.Q4_1:  # fewer bytes for the draft's head (it only proposes)
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize, quantize
-        rows = quantize(dequantize(rows, GGMLQuantizationType[kind]), GGMLQuantizationType.Q4_1)
-        kind, what = quant.Q4_1, f"those rows of the GGUF's {kind} head requantized to Q4_1 blocks"
     try:
-        mm = quant8.Int8Blocks(kind, rows,
+        mm = quant8.Int8Blocks(kind, np.ascontiguousarray(np.asarray(rows)[ids.cpu().numpy()]),
                                sliced(lm_head, ids, "cpu", torch.float32), None,
                                quant8.isa(policy.quant_isa, plan.flags), policy.amx_rows)
     except KernelUnavailable:  # the dense rows then; nothing the user chose is lost
         return None, None
-    return mm, (f"{draft_vocab.describe(ids.numel(), total)}: {what} times "
+    return mm, (f"{draft_vocab.describe(ids.numel(), rows.shape[0])}: the GGUF's {kind} blocks of those rows times "
                 f"int8 rows ({mm.nbytes / 1e6:.1f} MB read per block)")

@@ -142,10 +142,8 @@ class WeightPlan:
         why = int8_kernel_missing(self.policy, None)
         if why is None:
             try:
-                q4 = self.policy.draft_bits == 4
-                rows = quantize(weight_t.t().contiguous().numpy(),
-                                GGMLQuantizationType.Q4_1 if q4 else GGMLQuantizationType.Q8_0)
-                return quant8.Int8Blocks(quant.Q4_1 if q4 else quant.Q8_0, rows, self.dense(weight_t), None,
+                rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+                return quant8.Int8Blocks(quant.Q8_0, rows, self.dense(weight_t), None,
                                          quant8.isa(self.policy.quant_isa), self.policy.amx_rows)
             except KernelUnavailable as e:
                 why = e.summary

@@ -18,7 +18,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     the layer), HETERO_SD_STACK=off (the fused ops called one by one from Python, not the whole walk in one
     C++ call), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
     multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
-    dtype, not Q8_0 blocks times int8 rows; =q4: Q4_1 blocks, its reduced head too), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
+    dtype, not Q8_0 blocks times int8 rows), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
     target's whole head), HETERO_SD_KV=float32 (the int8 target's K/V cache in float32, not float16),
     HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
     on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
@@ -28,9 +28,6 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     for name in ("HETERO_SD_QUANT_ISA", "HETERO_SD_ATTEND_ISA"):
         if name in given and given[name] not in ISAS:
             raise ConfigError(f"{name}={given[name]!r} is not an instruction set here", f"use one of {', '.join(ISAS)}")
-    if given.get("HETERO_SD_DRAFT_LAYERS", "int8") not in ("int8", "q4", "float"):
-        raise ConfigError(f"HETERO_SD_DRAFT_LAYERS={given['HETERO_SD_DRAFT_LAYERS']!r} is not a draft weight format",
-                          "use int8 (Q8_0 blocks, the default), q4 (Q4_1 blocks) or float")
     if given.get("HETERO_SD_KV", "float16") not in ("float16", "float32"):
         raise ConfigError(f"HETERO_SD_KV={given['HETERO_SD_KV']!r} is not a K/V cache type",
                           "use HETERO_SD_KV=float16 (the default) or HETERO_SD_KV=float32")
@@ -43,7 +40,6 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
                       draft_int8_layers=given.get("HETERO_SD_DRAFT_LAYERS", "int8") != "float",
-                      draft_bits=4 if given.get("HETERO_SD_DRAFT_LAYERS") == "q4" else 8,
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
                       kv_f16=given.get("HETERO_SD_KV", "float16") != "float32",
                       quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),

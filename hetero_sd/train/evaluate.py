@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.backends.torch_backend import load_draft
 from hetero_sd.models.config import DraftConfig
 
@@ -87,8 +86,7 @@ def ngram_tau(table: NGramDraft, rows: list[dict], block: int, max_tokens: int) 
 
 
 @torch.no_grad()
-def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None,
-              policy: LoadPolicy = DEFAULT) -> dict:
+def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None) -> dict:
     """Simulated decoding with the draft in `folder` as the runtime loads it, at its own block size or
     `block`; `features` is the trainer's FeatureCache (its target and, with a disk store, the stored features).
     A smaller `block` is drafted as the block-size controller drafts it (propose(size=block)); a larger one
@@ -96,7 +94,7 @@ def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: 
     cfg = DraftConfig.from_folder(Path(folder))
     block = block or cfg.block_size
     cfg.block_size = max(block, cfg.block_size)
-    draft = load_draft(Path(folder), cfg, features.target, "cpu", torch.float32, cfg.mask_token_id, policy=policy)
+    draft = load_draft(Path(folder), cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
     per_row = []
     for r in rows:
         ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
