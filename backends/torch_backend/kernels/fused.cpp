@@ -599,6 +599,15 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
   for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
 }
 
+// attend_rows for a head size, lane width and K layout
+template <typename KV>
+static auto attend_variant(int64_t D, bool wide, bool tiled) {
+  return tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
+                          : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
+               : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
+                          : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
+}
+
 // q [1, nh, T, D] at positions start..start+T-1; caches [1, nkv, cap, D] -> o [1, T, nh*D]; D = 64 or 128.
 // Caches float32, or float16 (llama.cpp's KV cache: half the bytes; each value converted exactly as loaded).
 // wide: the AVX-512 stages (the caller checks the CPU has AVX-512F). causal=false: every row sees all
@@ -616,10 +625,7 @@ static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nk
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t group = nh / nkv, rows = T <= 4 ? T : 4, heads = T <= 4 ? 1 : group;
   const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
-  auto run = tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
-                              : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
-                   : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
-                              : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
+  auto run = attend_variant<KV>(D, wide, tiled);
   at::parallel_for(0, nkv * per_g, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = rows * heads;
     std::vector<float> s(most * ss), mx(16 * most), acc(2 * D * most);
@@ -664,10 +670,7 @@ static at::Tensor attend_slots_on(at::Tensor q, const KV* kp, const KV* vp, cons
   int64_t longest = 0;
   for (int64_t r = 0; r < R; ++r) longest = std::max(longest, pp[r] + 1);
   const int64_t ss = (longest + 31) / 16 * 16;
-  auto run = tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
-                              : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
-                   : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
-                              : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
+  auto run = attend_variant<KV>(D, wide, tiled);
   at::parallel_for(0, R * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(group * ss), mx(16 * group), acc(2 * D * group);
     std::vector<const float*> qs(group);
