@@ -137,6 +137,19 @@ def test_shards_resume_and_hold_the_runtimes_answers(tmp_path, chat_tiny):
         assert sorted(z.files) == ["finished", "keys", "offsets", "prompt_crc", "prompt_len", "tokens"]
 
 
+def test_a_new_store_answers_only_prompts_no_other_store_has(tmp_path, chat_tiny):
+    """--skip-answered: the prompts another store answered are left out of a new store's job."""
+    from hetero_sd.train.distill import unanswered
+    prompts = word_prompts(7)
+    generate_shards(chat_tiny, tmp_path / "a", max_new_tokens=4, max_prompt_tokens=16, slots=2, prompts=prompts[:3],
+                    log=lambda _: None)
+    todo = unanswered(prompts, [tmp_path / "a"])
+    assert [p.key for p in todo] == [p.key for p in prompts[3:]]
+    generate_shards(chat_tiny, tmp_path / "b", max_new_tokens=4, max_prompt_tokens=16, slots=2, prompts=todo,
+                    log=lambda _: None)
+    assert unanswered(prompts, [tmp_path / "a", tmp_path / "b"]) == []
+
+
 def test_changed_prompts_and_settings_are_refused(tmp_path, chat_tiny):
     out, prompts = tmp_path / "shards", word_prompts(3)
     generate_shards(chat_tiny, out, max_new_tokens=6, max_prompt_tokens=16, slots=2, prompts=prompts,

@@ -13,7 +13,7 @@ import torch
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading.sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
-from .distill import ShardStore, generate_shards, load_distilled
+from .distill import generate_shards, load_distilled, unanswered
 from .prompts import training_prompts
 from .trainer import TrainConfig, train
 
@@ -143,14 +143,11 @@ def distill_rows(target: Path, folders: list[Path], args: argparse.Namespace) ->
                      for j, r in enumerate(part)]
         return rows
     folder = folders[0]
-    skip = set()
-    for other in args.skip_answered:
-        skip |= ShardStore.existing(Path(other)).done_keys()
     prompts = None
-    if skip:
+    if args.skip_answered:
         from .corpus import training_mix
         mix, _ = training_mix(args.mix_seed, turns=args.sharegpt_turns)
-        prompts = [p for p in mix if p.key not in skip]
+        prompts = unanswered(mix, [Path(d) for d in args.skip_answered])
         err.print(f"--skip-answered: {len(mix) - len(prompts)} of the mix's {len(mix)} prompts are answered elsewhere")
     record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256, prompts=prompts,
                              max_prompt_tokens=args.max_prompt_tokens, slots=args.gen_batch_size, seed=args.mix_seed,

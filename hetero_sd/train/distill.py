@@ -187,6 +187,15 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     return meter.record
 
 
+def unanswered(prompts: list[TrainPrompt], stores: Iterable[Path]) -> list[TrainPrompt]:
+    """The prompts no store in `stores` has answered (`--skip-answered`: a new store answers only new prompts,
+    e.g. the int8 target's answers to every ShareGPT turn beside the float32 answers to the openings)."""
+    done: set[str] = set()
+    for folder in stores:
+        done |= ShardStore.existing(Path(folder)).done_keys()
+    return [p for p in prompts if p.key not in done]
+
+
 def stop_on_term() -> None:
     """SIGTERM ends the job like Ctrl-C, so that the finally-block writes the finished answers."""
     def handler(signum, frame):
