@@ -235,7 +235,8 @@ def test_cache_features_command_fills_the_store_the_trainer_reads(tmp_path, tiny
     rows = [{"index": i, "key": f"k{i}", "prompt_ids": [5, 6, 7], "response_ids": list(range(8 + i, 24 + i))}
             for i in range(6)]
     store = tmp_path / "features"
-    cache_features(tiny_llama, rows, argparse.Namespace(layers=1, device="cpu", feature_cache=str(store), feature_numerics="float32"))
+    cache_features(tiny_llama, rows, argparse.Namespace(layers=1, device="cpu", feature_cache=str(store),
+                                                        feature_numerics="float32", init_from=None))
     assert json.loads((store / "progress.json").read_text())["done"] == 6
     cfg = dict(block_size=4, layers=1, steps=2, accumulate=2, held_out=2, eval_every=2, anchors=4)
     logged = []

@@ -47,7 +47,9 @@ def add_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help="length of the target's answers (default 200; --distill 256)")
     t.add_argument("--gen-batch-size", type=int, default=48, help="answers generated at once")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--layers", type=int, default=2, help="draft layers; above the --init-from draft's, a deeper draft grown from it (new layers start as identities)")
+    t.add_argument("--layers", type=int, default=2,
+                   help="draft layers; above the --init-from draft's: a deeper draft grown from it (its new layers "
+                        "start as identities, reading the old draft's feature layers)")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--accumulate", type=int, default=4, help="sequences per optimizer step")
@@ -178,9 +180,10 @@ def cache_features(target: Path, rows: list[dict], args: argparse.Namespace) -> 
     resume). The held-out rows are included: the trainer's evaluation reads them too."""
     from hetero_sd.models.config import ArchConfig, read_json
     from .features import FeatureStore, fill
-    from .trainer import FeatureCache, choose_layers
+    from .trainer import FeatureCache, feature_layers
     tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
-    layer_ids = choose_layers(tcfg.num_hidden_layers, args.layers)
+    layer_ids = feature_layers(tcfg.num_hidden_layers, args.layers,
+                               init=Path(init_folder(args.init_from)) if args.init_from else None)
     folder = Path(args.feature_cache)
     store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size, args.feature_numerics)
     features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device, numerics=args.feature_numerics)

@@ -164,6 +164,16 @@ def choose_layers(num_target_layers: int, draft_layers: int) -> list[int]:
     return sorted(set([i for i in ids[:-1] if i < last] + [last]))
 
 
+def feature_layers(num_target_layers: int, draft_layers: int, resumed: Path | None = None,
+                   init: Path | None = None) -> list[int]:
+    """The target layers a run's draft reads: a resumed run's own, else its init draft's (a deeper draft grown
+    from a shallower one reads the features the old one was trained on), else choose_layers'."""
+    for folder in (resumed, init):
+        if folder is not None and (folder / "config.json").is_file():
+            return list(read_json(folder / "config.json")["dflash_config"]["target_layer_ids"])
+    return choose_layers(num_target_layers, draft_layers)
+
+
 def init_from_target(model: TrainingDraft, target_tensors: dict, num_target_layers: int) -> None:
     """Draft layer i <- target layer N-L+i; fc picks the feature of the layer feeding them."""
     h, w = model.cfg.arch.hidden_size, dict(model.named_parameters())
@@ -407,12 +417,9 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tcfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
-    layer_ids = choose_layers(tcfg.num_hidden_layers, cfg.layers)
-    if cfg.init != "target" and not (resume and (out / "checkpoint.pt").is_file()):
-        # a deeper draft grown from a shallower one reads the features the old one was trained on
-        layer_ids = list(read_json(Path(cfg.init) / "config.json")["dflash_config"]["target_layer_ids"])
-    elif resume and (out / "config.json").is_file():
-        layer_ids = list(read_json(out / "config.json")["dflash_config"]["target_layer_ids"])
+    resumed = resume and (out / "checkpoint.pt").is_file()
+    layer_ids = feature_layers(tcfg.num_hidden_layers, cfg.layers, out if resumed else None,
+                               None if cfg.init == "target" else Path(cfg.init))
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     raw = draft_config(tcfg, num_layers=cfg.layers, block_size=cfg.block_size,
