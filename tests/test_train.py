@@ -285,3 +285,12 @@ def test_gamma_is_passed_down_and_refused_when_not_positive(tmp_path):
     assert out.returncode != 0 and "--short-blocks 1.5: a share of the blocks, 0 to 1" in out.stderr
     assert "Traceback" not in out.stderr
     assert small_config(gamma=2.0).decay() == 2.0 and small_config(block_size=16).decay() == 7.0
+
+
+def test_a_time_budget_ends_training_with_a_save(tmp_path, tiny_llama):
+    """--minutes (a GPU lease): the run stops when the budget is spent, evaluated and saved, before --steps."""
+    out = train(tiny_llama, counting_rows(), tmp_path / "d", small_config(steps=10_000, eval_every=5000,
+                                                                           minutes=1e-4))
+    step = out["history"][-1]["step"]
+    assert 1 <= step < 10_000 and "held_out_tau" in out["history"][-1]
+    assert (tmp_path / "d" / "model.safetensors").is_file() and (tmp_path / "d" / "checkpoint.pt").is_file()

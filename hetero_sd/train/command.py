@@ -86,6 +86,9 @@ def add_parser(sub) -> None:
     t.add_argument("--soft", type=float, default=0.0,
                    help="weight of distillation from the target's distribution (its top-k per position)")
     t.add_argument("--soft-top-k", type=int, default=32)
+    t.add_argument("--minutes", type=float,
+                   help="a wall-clock budget (e.g. a lent GPU's): the learning-rate cosine runs over it instead of "
+                        "--steps, and training ends with a save when it is spent")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--held-out", type=int, default=24,
                    help="rows never trained on (smallest key hashes); the periodic tau reads 24 of them")
@@ -208,7 +211,7 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
                       feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent,
-                      feature_numerics=args.feature_numerics)
+                      feature_numerics=args.feature_numerics, minutes=args.minutes)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

@@ -64,6 +64,9 @@ class TrainConfig:
     attention: str = "auto"  # "split" (train/fast.py), "dense" (one masked matrix), auto: split where it applies
     feature_cache: str | None = None  # a folder: target features kept on disk across epochs and runs
     feature_numerics: str = "float32"  # the target's rows for features: float32, or int8 (the runtime's CPU default)
+    # a wall-clock budget (a lent GPU's lease): the cosine runs over these minutes instead of `steps`, and the
+    # run ends with an evaluation and a save when they are spent (or at `steps`, whichever comes first)
+    minutes: float | None = None
     history: list = field(default_factory=list)
 
     def decay(self) -> float:
@@ -473,6 +476,11 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     blocks_total = last.get("blocks_total", 0)
     per_forward = 1 if split else cfg.pack
     for step in range(start, cfg.steps):
+        spent = (time.perf_counter() - began) / 60 / cfg.minutes if cfg.minutes else 0.0
+        if cfg.minutes:  # the time budget's cosine (warm-up still by steps)
+            for group in optim.param_groups:
+                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(spent, 1)))
+        last_step = step + 1 == cfg.steps or spent >= 1
         lr = optim.param_groups[0]["lr"]
         total, blocks = 0.0, 0
         counts = [min(per_forward, cfg.accumulate - first) for first in range(0, cfg.accumulate, per_forward)]
@@ -496,7 +504,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
                   "cpu_s": time.process_time() - cpu0,  # CPU seconds: the compute, whatever else ran
                   "blocks": blocks, "blocks_total": blocks_total, "features_computed": features.computed,
                   "features_cpu_s": round(features.compute_cpu_s, 2)}
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.eval_every == 0 or last_step:
             if features.disk is not None:
                 features.disk.flush()
             record["held_out_tau"] = held_out_tau(model, held[:cfg.eval_rows], features, split)
@@ -506,6 +514,8 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
             log.write(json.dumps(record) + "\n")
         if progress:
             progress(record)
+        if last_step:
+            break
     if features.disk is not None:
         features.disk.flush()
     return {"draft": str(out), "history": cfg.history, "notes": notes}

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A lent GPU's session (the `device` tool: 15 minutes, one call at most 64 MiB of files, nothing installed
+# there but torch/transformers/...): the CUDA test paths, then the default draft trained at scale on CUDA.
+# The embedded GGUF (98 MB) is over one call's 64 MiB, so it travels in two xz parts, one per call, and
+# the machine must stay warm between the two calls (30 s).
+#   here:        bash benchmarks/gpu_session.sh pack   # .lease/a (GGUF part 1, the gguf wheel), .lease/b (part 2, init draft)
+#   call 1:      bash benchmarks/gpu_session.sh tests  # carry .lease/a: tests/test_cuda.py -> $OUT/cuda-tests.log
+#   call 2:      MINUTES=7 bash benchmarks/gpu_session.sh train  # carry .lease/b: train-draft --device cuda -> $OUT
+# The tree that travels must be small (~9 MB): run it from a branch without benchmarks/results and the
+# shipped draft's weights (the init draft travels in .lease/b). What comes back: the draft (split in
+# <16 MiB parts: join with cat), its config, training.json, log.jsonl, train.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+LEASE=/tmp/lease
+GGUF_SHA=${GGUF_SHA:-}
+
+setup() {  # the package as the venv sees it (backends/, ane_compiler/, tui/ inside the namespace), gguf
+    for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$1"/*.whl || exit 1
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+}
+
+case "${1:-}" in
+pack)
+    G=$("${PY:-.venv/bin/python}" -c "from hetero_sd.loading.default_model import embedded_gguf; print(embedded_gguf())")
+    INIT=${INIT:-hetero_sd/data/drafts/SmolLM2-135M-Instruct-cpu-trained}
+    rm -rf .lease && mkdir -p .lease/a .lease/b/init
+    grep -qx '/.lease/' .git/info/exclude || echo /.lease/ >> .git/info/exclude
+    xz -T2 -6 -c "$G" > /tmp/gguf.xz
+    split -b ${PART_A_BYTES:-54000000} -d /tmp/gguf.xz /tmp/gguf.xz.part-
+    mv /tmp/gguf.xz.part-00 .lease/a/ && mv /tmp/gguf.xz.part-01 .lease/b/
+    sha256sum "$G" | cut -d' ' -f1 > .lease/b/gguf.sha256
+    "${PY:-.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: -d .lease/a "gguf==$("${PY:-.venv/bin/python}" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    cp .lease/a/*.whl .lease/b/
+    cp "$INIT"/config.json "$INIT"/model.safetensors .lease/b/init/
+    du -sh .lease/a .lease/b
+    ;;
+tests)
+    mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/
+    setup .lease/a
+    { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
+    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
+    ;;
+train)
+    cp .lease/b/gguf.xz.part-* $LEASE/ || exit 1
+    cat $LEASE/gguf.xz.part-* | xz -dc > $LEASE/target.gguf
+    [ "$(sha256sum $LEASE/target.gguf | cut -d' ' -f1)" = "$(cat .lease/b/gguf.sha256)" ] || { echo "GGUF parts do not join"; exit 1; }
+    setup .lease/b
+    RUN=$LEASE/run
+    HETERO_SD_HOME=$LEASE/home timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
+        --distill benchmarks/distill-data/SmolLM2-135M-Instruct --distill benchmarks/distill-data/SmolLM2-135M-Instruct-int8-turns \
+        --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
+        --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-1.5e-4}" --accumulate "${ACCUMULATE:-4}" --vocab-frequent 8192 \
+        --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" | tee "$OUT/train.log"
+    cp $RUN/config.json $RUN/training.json $RUN/log.jsonl "$OUT/" 2>/dev/null
+    [ -f $RUN/model.safetensors ] && split -b 15000000 -d $RUN/model.safetensors "$OUT/model.safetensors.part-"
+    tail -3 $RUN/log.jsonl
+    ;;
+*) echo "usage: gpu_session.sh pack|tests|train" >&2; exit 2 ;;
+esac

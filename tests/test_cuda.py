@@ -1,0 +1,76 @@
+"""CUDA paths: lossless decoding with the target and/or the draft on a CUDA device, and training there.
+Skipped where torch sees no CUDA device (CI); run on a lent GPU by benchmarks/gpu_session.sh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero_sd
+
+from hetero_sd.decoding.sampling import SamplingParams
+
+from .test_sampling import P_MIN, chi_square_p, exact_joint, pair, sample_many  # noqa: F401 (pair: a fixture)
+from .test_train import counting_rows, small_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+PROMPTS = [[5, 9, 12, 7], [33, 2, 40, 41, 8, 19], [60, 61]]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def cuda_baseline(tiny_llama):
+    """The CUDA target's own greedy tokens: every placement with the target on CUDA must give them."""
+    rt = hetero_sd.load(str(tiny_llama), None, target_device="cuda")
+    return [rt.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("draft_device,schedule", [("cuda", "sequential"), ("cpu", "sequential"),
+                                                    ("cpu", "overlap")])
+def test_target_on_cuda_is_lossless(tiny_llama, tiny_draft, cuda_baseline, draft_device, schedule):
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), target_device="cuda", draft_device=draft_device,
+                        block_size="fixed", schedule=schedule)
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.mode == "speculative" and out.stats.num_drafts > 0
+        assert out.token_ids == base
+    assert rt.info["target_device"] == "cuda" and rt.info["draft_device"] == draft_device
+
+
+def test_draft_on_cuda_beside_a_cpu_target_is_lossless(tiny_llama, tiny_draft):
+    plain = hetero_sd.load(str(tiny_llama), None)
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), draft_device="cuda", block_size="fixed")
+    for prompt in PROMPTS:
+        base = plain.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.num_drafts > 0 and out.token_ids == base
+
+
+def test_bf16_draft_on_cuda_is_lossless(tiny_llama, tiny_draft, cuda_baseline):
+    """A bf16 draft drafts differently, never decides: the output stays the target's."""
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), target_device="cuda", draft_device="cuda",
+                        draft_dtype=torch.bfloat16, block_size="fixed")
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        assert rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == base
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_sampling_on_cuda_follows_the_target_distribution(pair, rule):
+    """T=1 with the target and the draft on CUDA: the first three tokens follow the target's exact joint
+    distribution (test_sampling's enumeration and chi-square, 2500 seeds)."""
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), target_device="cuda", draft_device="cuda", block_size="fixed")
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule=rule)
+    p = chi_square_p(samples, exact_joint(pair[0], params))
+    assert p > P_MIN, f"CUDA samples do not follow the target distribution (chi-square p = {p:.2e})"
+    assert 0 < totals["accepted"] < totals["drafted"]
+
+
+def test_training_on_cuda_learns(tmp_path, tiny_llama):
+    from hetero_sd.train.trainer import train
+    rows = counting_rows()
+    first = train(tiny_llama, rows, tmp_path / "d", small_config(steps=1, eval_every=1, device="cuda"))
+    last = train(tiny_llama, rows, tmp_path / "d", small_config(steps=200, lr=1e-2, eval_every=100, device="cuda"))
+    assert "bf16 autocast" in last["notes"]["autocast"]
+    assert last["history"][-1]["held_out_tau"] > first["history"][-1]["held_out_tau"] + 0.7
