@@ -6,13 +6,15 @@
 #   here:        bash benchmarks/gpu_session.sh pack   # .lease/a (GGUF part 1, the gguf wheel), .lease/b (part 2, init draft)
 #   call 1:      bash benchmarks/gpu_session.sh tests  # carry .lease/a: tests/test_cuda.py -> $OUT/cuda-tests.log
 #   call 2:      MINUTES=7 bash benchmarks/gpu_session.sh train  # carry .lease/b: train-draft --device cuda -> $OUT
-# The tree that travels must be small (~9 MB): run it from a branch without benchmarks/results and the
-# shipped draft's weights (the init draft travels in .lease/b). What comes back: the draft (split in
+# The tree that travels must be small (~2 MB): run it from a branch without benchmarks/results,
+# benchmarks/distill-data and the shipped draft's weights (the init draft and the stores' rows, packed by
+# benchmarks/lease_rows.py since their prompt texts come from packages the machine lacks, travel in .lease/b). What comes back: the draft (split in
 # <16 MiB parts: join with cat), its config, training.json, log.jsonl, train.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 LEASE=/tmp/lease
+STORES="benchmarks/distill-data/SmolLM2-135M-Instruct benchmarks/distill-data/SmolLM2-135M-Instruct-int8-turns"
 GGUF_SHA=${GGUF_SHA:-}
 
 setup() {  # the package as the venv sees it (backends/, ane_compiler/, tui/ inside the namespace), gguf
@@ -28,29 +30,30 @@ pack)
     rm -rf .lease && mkdir -p .lease/a .lease/b/init
     grep -qx '/.lease/' .git/info/exclude || echo /.lease/ >> .git/info/exclude
     xz -T2 -6 -c "$G" > /tmp/gguf.xz
-    split -b ${PART_A_BYTES:-54000000} -d /tmp/gguf.xz /tmp/gguf.xz.part-
+    split -b ${PART_A_BYTES:-60000000} -d /tmp/gguf.xz /tmp/gguf.xz.part-
     mv /tmp/gguf.xz.part-00 .lease/a/ && mv /tmp/gguf.xz.part-01 .lease/b/
     sha256sum "$G" | cut -d' ' -f1 > .lease/b/gguf.sha256
     "${PY:-.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: -d .lease/a "gguf==$("${PY:-.venv/bin/python}" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
     cp .lease/a/*.whl .lease/b/
     cp "$INIT"/config.json "$INIT"/model.safetensors .lease/b/init/
+    "${PY:-.venv/bin/python}" benchmarks/lease_rows.py pack $STORES /tmp/rows.npz && xz -T2 -9 -c /tmp/rows.npz > .lease/b/rows.npz.xz
     du -sh .lease/a .lease/b
     ;;
 tests)
     mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/
     setup .lease/a
     { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
-    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
+    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 45 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
     ;;
 train)
     cp .lease/b/gguf.xz.part-* $LEASE/ || exit 1
     cat $LEASE/gguf.xz.part-* | xz -dc > $LEASE/target.gguf
     [ "$(sha256sum $LEASE/target.gguf | cut -d' ' -f1)" = "$(cat .lease/b/gguf.sha256)" ] || { echo "GGUF parts do not join"; exit 1; }
     setup .lease/b
+    xz -dc .lease/b/rows.npz.xz > $LEASE/rows.npz && "$PY" benchmarks/lease_rows.py unpack $LEASE/rows.npz $LEASE/rows.jsonl || exit 1
     RUN=$LEASE/run
     HETERO_SD_HOME=$LEASE/home timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
-        --distill benchmarks/distill-data/SmolLM2-135M-Instruct --distill benchmarks/distill-data/SmolLM2-135M-Instruct-int8-turns \
-        --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
+        --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
         --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-1.5e-4}" --accumulate "${ACCUMULATE:-4}" --vocab-frequent 8192 \
         --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" | tee "$OUT/train.log"
     cp $RUN/config.json $RUN/training.json $RUN/log.jsonl "$OUT/" 2>/dev/null

