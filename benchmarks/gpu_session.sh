@@ -17,6 +17,8 @@ LEASE=/tmp/lease
 STORES="benchmarks/distill-data/SmolLM2-135M-Instruct benchmarks/distill-data/SmolLM2-135M-Instruct-int8-turns"
 GGUF_SHA=${GGUF_SHA:-}
 
+stage() { echo "$(date +%T) $*" | tee -a "${OUT:-/tmp}/stages.log"; }  # where a cut-off call stopped
+
 setup() {  # the package as the venv sees it (backends/, ane_compiler/, tui/ inside the namespace), gguf
     for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$1"/*.whl || exit 1
@@ -40,22 +42,27 @@ pack)
     du -sh .lease/a .lease/b
     ;;
 tests)
+    stage tests: setup
     mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/
     setup .lease/a
     { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
-    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 45 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
+    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 40 --durations=0 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
     ;;
 train)
+    stage train: join the GGUF
     cp .lease/b/gguf.xz.part-* $LEASE/ || exit 1
     cat $LEASE/gguf.xz.part-* | xz -dc > $LEASE/target.gguf
     [ "$(sha256sum $LEASE/target.gguf | cut -d' ' -f1)" = "$(cat .lease/b/gguf.sha256)" ] || { echo "GGUF parts do not join"; exit 1; }
     setup .lease/b
+    stage train: rows
     xz -dc .lease/b/rows.npz.xz > $LEASE/rows.npz && "$PY" benchmarks/lease_rows.py unpack $LEASE/rows.npz $LEASE/rows.jsonl || exit 1
     RUN=$LEASE/run
+    stage train: train-draft
     HETERO_SD_HOME=$LEASE/home timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
         --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
         --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-1.5e-4}" --accumulate "${ACCUMULATE:-4}" --vocab-frequent 8192 \
         --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" | tee "$OUT/train.log"
+    stage train: copy back
     cp $RUN/config.json $RUN/training.json $RUN/log.jsonl "$OUT/" 2>/dev/null
     [ -f $RUN/model.safetensors ] && split -b 15000000 -d $RUN/model.safetensors "$OUT/model.safetensors.part-"
     tail -3 $RUN/log.jsonl

@@ -25,11 +25,11 @@ def pack(stores: list[str], out: str) -> None:
 
 
 def unpack(path: str, out: str) -> None:
-    z = np.load(path)
-    keys, offset = str(z["keys"]).split("\n"), 0
+    z = dict(np.load(path))  # each key of an NpzFile reads its array anew: read each once
+    keys, tokens, offset = str(z["keys"]).split("\n"), z["tokens"], 0
     with open(out, "w") as f:
         for i, (key, store, p, r) in enumerate(zip(keys, z["store"], z["plen"], z["rlen"])):
-            ids = z["tokens"][offset:offset + p + r].tolist()
+            ids = tokens[offset:offset + p + r].tolist()
             offset += int(p + r)
             f.write(json.dumps({"index": i, "key": key, "store": int(store), "prompt_ids": ids[:p],
                                 "response_ids": ids[p:]}) + "\n")
