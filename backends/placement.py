@@ -57,12 +57,16 @@ def dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def target_dtype_note(dtype: torch.dtype) -> str:
-    """A reduced-precision CPU target is a different target; say what it costs and what it breaks."""
+def target_dtype_note(dtype: torch.dtype, device: str = "cpu") -> str:
+    """A reduced-precision target is a different target; say what it costs and what it breaks. On an
+    accelerator it is the default (bf16), and its GEMMs, like the CPU's, pick their reduction order by the
+    number of rows: a verify of k rows and a one-row decode step can round a near-tie apart."""
+    kernels = "CPU kernels" if device == "cpu" else f"{device} GEMMs"
     note = (f"{dtype_name(dtype)} target: a different model than the float32 one (outside the parity tests' "
-            "1e-4); its CPU kernels are not batch-invariant, so DFlash can emit tokens that differ from "
-            "autoregressive decoding of this target where two logits nearly tie")
-    if dtype == torch.bfloat16 and not torch_backend.native_bf16():
+            f"1e-4); its {kernels} are not batch-invariant, so DFlash can emit tokens that differ from "
+            "autoregressive decoding of this target where two logits nearly tie"
+            + ("" if device == "cpu" else " (--dtype float32 for token identity)"))
+    if device == "cpu" and dtype == torch.bfloat16 and not torch_backend.native_bf16():
         note += "; this CPU has no native bf16 (AMX or AVX512-BF16): its matmuls are emulated, slower than float32"
     return note
 
@@ -86,8 +90,8 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
                               "use --target-device cpu, or another --dtype")
         activations, dtype = INT8, torch.float32
     dtype = resolve_dtype(dtype, device)
-    if device == "cpu" and dtype != torch.float32 and notes is not None:
-        notes.append(target_dtype_note(dtype))
+    if dtype != torch.float32 and notes is not None:
+        notes.append(target_dtype_note(dtype, device))
     target = torch_backend.load_target(folder, cfg, device, dtype, layer_ids, max_context, activations, policy)
     if notes is not None:
         notes += target.notes

@@ -80,3 +80,8 @@ def test_training_on_cuda_learns(tmp_path, tiny_llama):
     last = train(tiny_llama, rows, tmp_path / "d", small_config(steps=200, lr=1e-2, eval_every=100, device="cuda"))
     assert "bf16 autocast" in last["notes"]["autocast"]
     assert last["history"][-1]["held_out_tau"] > first["history"][-1]["held_out_tau"] + 0.7
+
+
+def test_the_bf16_default_of_a_cuda_target_is_announced(tiny_llama, tiny_draft):
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), target_device="cuda", block_size="fixed")
+    assert any("cuda GEMMs are not batch-invariant" in n for n in rt.info["notes"]), rt.info["notes"]

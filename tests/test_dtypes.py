@@ -99,3 +99,12 @@ def test_bf16_target_parity_with_float32(tmp_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     rt = load(str(folder), None, dtype="bfloat16")
     assert any("different model than the float32" in n for n in rt.notes)
+
+
+def test_a_reduced_precision_accelerator_target_says_that_token_identity_needs_float32():
+    """A CUDA/MPS target defaults to bf16: its note says its GEMMs are not batch-invariant and how to get
+    token identity; the CPU's note speaks of its own kernels."""
+    from hetero_sd.backends.placement import target_dtype_note
+    gpu = target_dtype_note(torch.bfloat16, "cuda")
+    assert "cuda GEMMs are not batch-invariant" in gpu and "--dtype float32" in gpu
+    assert "CPU kernels are not batch-invariant" in target_dtype_note(torch.bfloat16, "cpu")
