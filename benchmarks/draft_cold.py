@@ -5,7 +5,7 @@ right after touching a 64 MB buffer (caches flushed, no target involved); and th
 Q8_0 head, 49152 rows) on 1-8 rows right after a forward: whether fewer verify rows through the head would
 save anything. Medians of --reps calls; the default target and draft, a chat prompt as context.
 
-    python benchmarks/draft_cold.py [--reps 40] [--threads 2] [--json benchmarks/results/draft_cold_zen5.json]
+    python benchmarks/draft_cold.py [--reps 40] [--threads 2] [--draft DIR] [--json benchmarks/results/draft_cold_zen5.json]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.train.distill import chat_ids  # noqa: E402
 from timing import options  # noqa: E402
 
-OPTIONS = {"--reps": (int, 40), "--threads": (int, 2), "--json": (str, None)}
+OPTIONS = {"--reps": (int, 40), "--threads": (int, 2), "--json": (str, None), "--draft": (str, "default")}
 
 
 def ms(samples: list[float]) -> float:
@@ -48,7 +48,7 @@ def timed(f, before=None, reps: int = 40) -> float:
 def main() -> None:
     args = options(OPTIONS)
     torch.set_num_threads(args.threads)
-    rt = hetero_sd.load("default", "default", block_size=8)
+    rt = hetero_sd.load("default", args.draft, block_size=8)
     target, draft = rt.target, rt.draft
     out = target.forward(chat_ids(rt.tokenizer, "Write a short story about a robot who learns to paint."))
     draft.add_context(out.features)

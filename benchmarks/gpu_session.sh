@@ -6,6 +6,7 @@
 #   here:        bash benchmarks/gpu_session.sh pack   # .lease/a (GGUF part 1, the gguf wheel), .lease/b (part 2, init draft)
 #   call 1:      bash benchmarks/gpu_session.sh tests  # carry .lease/a: tests/test_cuda.py -> $OUT/cuda-tests.log
 #   call 2:      MINUTES=7 bash benchmarks/gpu_session.sh train  # carry .lease/b: train-draft --device cuda -> $OUT
+#                (PACK sequences per forward, ACCUMULATE per step: 8 and 8; LR 2.5e-4; LAYERS 4 from the init draft)
 # The tree that travels must be small (~2 MB): run it from a branch without benchmarks/results,
 # benchmarks/distill-data and the shipped draft's weights (the init draft and the stores' rows, packed by
 # benchmarks/lease_rows.py since their prompt texts come from packages the machine lacks, travel in .lease/b). What comes back: the draft (split in
@@ -60,7 +61,7 @@ train)
     stage train: train-draft
     HETERO_SD_HOME=$LEASE/home timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
         --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
-        --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-1.5e-4}" --accumulate "${ACCUMULATE:-4}" --vocab-frequent 8192 \
+        --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-2.5e-4}" --accumulate "${ACCUMULATE:-8}" --pack "${PACK:-8}" --vocab-frequent 8192 \
         --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" | tee "$OUT/train.log"
     stage train: copy back
     cp $RUN/config.json $RUN/training.json $RUN/log.jsonl "$OUT/" 2>/dev/null

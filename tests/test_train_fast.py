@@ -244,3 +244,25 @@ def test_cache_features_command_fills_the_store_the_trainer_reads(tmp_path, tiny
     fresh = train(tiny_llama, rows, tmp_path / "b", TrainConfig(**cfg))
     assert logged[-1]["features_computed"] == 0
     assert [r["loss"] for r in cached["history"]] == pytest.approx([r["loss"] for r in fresh["history"]])
+
+
+def test_packed_sequences_in_the_split_forward_are_each_computed_alone(tiny_llama):
+    """--pack with the split attention (what makes a GPU step more than one sequence): three sequences end to
+    end, blocks of all lengths, groups that straddle sequence boundaries; every block's hidden state is the
+    one its sequence gives alone (its own positions from 0, its own context keys only)."""
+    raw, target, model = trained_like(tiny_llama)
+    split = SplitForward(model, group=3)
+    lengths = (30, 9, 22)
+    tokens = [torch.randint(0, 64, (n,)) for n in lengths]
+    features = [torch.randn(n, 2 * 64) for n in lengths]
+    anchors = [torch.tensor([20, 3, 12, 28]), torch.tensor([1, 7]), torch.tensor([15, 2, 9, 19])]
+    short = [torch.tensor([5, 2, 3, 5]), torch.tensor([4, 5]), torch.tensor([2, 5, 5, 3])]
+    offsets = [0, 30, 39]
+    with torch.no_grad():
+        alone = torch.cat([split(f, t, a, s) for f, t, a, s in zip(features, tokens, anchors, short)])
+        packed = split(torch.cat(features), torch.cat(tokens), torch.cat([a + o for a, o in zip(anchors, offsets)]),
+                       torch.cat(short), torch.cat([torch.full_like(a, o) for a, o in zip(anchors, offsets)]))
+        leaky = split(torch.cat(features), torch.cat(tokens), torch.cat([a + o for a, o in zip(anchors, offsets)]),
+                      torch.cat(short))
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(leaky[4:], alone[4:], atol=1e-3)  # without starts the later sequences see the first

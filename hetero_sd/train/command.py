@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                    help="blocks per sequence per step: 0 (default) trains every response token, N: N random ones")
     t.add_argument("--attention", choices=["auto", "split", "dense"], default="auto",
                    help="split: block-vs-context + within-block attention (train/fast.py); dense: one masked "
-                        "matrix (--pack, other draft formats); auto: split where it applies")
+                        "matrix (other draft formats); auto: split where it applies")
     t.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
                    help="the target's rows for the draft's features: float32, or int8 (the runtime's default CPU "
                         "target of a GGUF, ~4x fewer CPU-seconds); a --feature-cache holds one kind")

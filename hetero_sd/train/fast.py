@@ -41,9 +41,10 @@ def supports(cfg) -> bool:
 
 
 class SplitForward:
-    """hidden = SplitForward(model)(features, tokens, anchors[, lengths]): [n, B-1, H] for block positions
-    1..B-1, final-normed (what the lm_head turns into draft logits), as `TrainingDraft.__call__` returns.
-    lengths [n] (default all B): each block's length, 2..B."""
+    """hidden = SplitForward(model)(features, tokens, anchors[, lengths, starts]): [n, B-1, H] for block
+    positions 1..B-1, final-normed (what the lm_head turns into draft logits), as `TrainingDraft.__call__`
+    returns. lengths [n] (default all B): each block's length, 2..B. starts [n]: sequences packed end to end
+    (`--pack`), each anchor's sequence start (default: one sequence)."""
 
     def __init__(self, model, group: int = GROUP):
         self.model, self.group = model, group
@@ -57,26 +58,33 @@ class SplitForward:
         return self.model.get_parameter(name)
 
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
         m, b = self.model, self.model.block_size
         dev = m.device
         features, tokens, anchors = features.to(dev), tokens.to(dev), anchors.to(dev)
         order = torch.argsort(anchors)
         anchors_sorted = anchors[order]
         n, s = anchors.shape[0], features.shape[0]
+        # packed sequences (`starts` [n]: each anchor's sequence start): positions count from a sequence's
+        # start, and a block's context keys are its own sequence's, [start, anchor)
+        starts_sorted = torch.zeros_like(anchors_sorted) if starts is None else starts.to(dev)[order]
+        ctx_pos = torch.arange(s, device=dev)
+        if starts is not None:
+            firsts = torch.unique(starts_sorted)  # tokens of a sequence without anchors are never keys
+            ctx_pos = ctx_pos - firsts[torch.searchsorted(firsts, ctx_pos, right=True).clamp_min(1) - 1]
         context = rms_norm(features.to(self.w("fc.weight").dtype) @ self.w("fc.weight").t(),
                            self.w("hidden_norm.weight"), self.eps)  # [S, H]
         ids = torch.full((n, b), m.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = tokens[anchors_sorted]
         h = F.embedding(ids, m.embed)  # [n, B, H]
-        positions = anchors_sorted[:, None] + torch.arange(b, device=dev)
-        cos_all, sin_all = self.rope.at(0, max(s, int(positions.max()) + 1))
-        ctx_cos, ctx_sin = cos_all[:s], sin_all[:s]
+        positions = (anchors_sorted - starts_sorted)[:, None] + torch.arange(b, device=dev)
+        cos_all, sin_all = self.rope.at(0, max(int(ctx_pos.max()), int(positions.max())) + 1)
+        ctx_cos, ctx_sin = cos_all[ctx_pos], sin_all[ctx_pos]
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]  # [n, 1, B, hd]
         # keys past a short block's length: out of its attention ([n, B], True = hidden)
         cut = None if lengths is None else torch.arange(b, device=dev)[None, :] >= lengths.to(dev)[order][:, None]
         for i in range(self.arch.num_hidden_layers):
-            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted, cut)
+            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted, cut, starts_sorted)
         out = rms_norm(h[:, 1:], self.w("norm.weight"), self.eps)
         return out[torch.argsort(order)]  # back to the caller's anchor order
 
@@ -84,7 +92,7 @@ class SplitForward:
         key = f"{name}.weight"
         return rms_norm(x, self.w(key), self.eps) if key in self.names else x
 
-    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors, cut=None):
+    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors, cut=None, starts=None):
         p = f"layers.{i}."
         n, b, hid = h.shape
         wq, wk, wv = (self.w(p + f"self_attn.{x}_proj.weight") for x in "qkv")
@@ -97,14 +105,15 @@ class SplitForward:
         k = self.qk_norm((x @ wk.t()).view(n, b, self.nkv, self.hd).transpose(1, 2), p + "self_attn.k_norm")
         v = (x @ wv.t()).view(n, b, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [n, heads, B, hd]
-        o = self.attention(q, k, v, kc, vc, anchors, cut)  # [n, nh, B, hd]
+        o = self.attention(q, k, v, kc, vc, anchors, cut, starts)  # [n, nh, B, hd]
         h = h + o.transpose(1, 2).reshape(n, b, -1) @ self.w(p + "self_attn.o_proj.weight").t()
         x = rms_norm(h, self.w(p + "post_attention_layernorm.weight"), self.eps)
         gate, up = x @ self.w(p + "mlp.gate_proj.weight").t(), x @ self.w(p + "mlp.up_proj.weight").t()
         return h + (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").t()
 
-    def attention(self, q, k, v, kc, vc, anchors, cut=None):
-        """Each block's queries over [its context prefix | its own block], groups of blocks at a time.
+    def attention(self, q, k, v, kc, vc, anchors, cut=None, starts=None):
+        """Each block's queries over [its context prefix | its own block], groups of blocks at a time (sorted
+        by anchor: packed sequences stay apart but for a group at a boundary, whose keys span both).
         GQA: the query heads sharing a K/V head are laid out kv-major ([nkv, group, ...]) and multiply that
         head's keys once."""
         n, nh, b, hd = q.shape
@@ -116,14 +125,19 @@ class SplitForward:
         for first in range(0, n, self.group):
             sl = slice(first, min(first + self.group, n))
             qs, a = qg[sl], anchors[sl]
-            span = int(a.max())  # keys 0..span-1 cover every block of the group
-            ctx_scores = torch.einsum("nkqd,ksd->nkqs", qs, kc[:, :span]) * scale  # [m, nkv, g*B, span]
-            hidden = torch.arange(span, device=q.device)[None, :] >= a[:, None]  # [m, span]: not before anchor
+            lo = 0 if starts is None else int(starts[sl].min())
+            hi = int(a.max())  # keys lo..hi-1 cover every block of the group
+            span = hi - lo
+            ctx_scores = torch.einsum("nkqd,ksd->nkqs", qs, kc[:, lo:hi]) * scale  # [m, nkv, g*B, span]
+            key = torch.arange(lo, hi, device=q.device)[None, :]
+            hidden = key >= a[:, None]  # [m, span]: not before the anchor, nor before its sequence's start
+            if starts is not None:
+                hidden = hidden | (key < starts[sl][:, None])
             ctx_scores = ctx_scores.masked_fill(hidden[:, None, None, :], float("-inf"))
             own = (qs @ kb[sl].transpose(-1, -2)) * scale  # [m, nkv, g*B, B]
             if cut is not None:
                 own = own.masked_fill(cut[sl][:, None, None, :], float("-inf"))
             probs = torch.cat([ctx_scores, own], -1).softmax(-1)  # the log-sum-exp merge of both parts
-            o = torch.einsum("nkqs,ksd->nkqd", probs[..., :span], vc[:, :span]) + probs[..., span:] @ vb[sl]
+            o = torch.einsum("nkqs,ksd->nkqd", probs[..., :span], vc[:, lo:hi]) + probs[..., span:] @ vb[sl]
             outs.append(o)
         return torch.cat(outs).view(n, nh, b, hd)

@@ -325,12 +325,12 @@ def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | 
     """Cross-entropy at each block position, weighted by position; with the batch's teacher (the target's
     top-k log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's
     own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows).
-    With `split` (one sequence per batch) the forward is train/fast.py's and, for hard labels, the
+    With `split` (sequences packed by their starts) the forward is train/fast.py's and, for hard labels, the
     cross-entropy is computed in chunks without holding every block's logits."""
     labels = block_labels(batch.tokens, batch.anchors, model.block_size, batch.ends, batch.lengths)
     head = model.lm_head if vocab is None else vocab.head
     if split is not None:
-        hidden = split(batch.features, batch.tokens, batch.anchors, batch.lengths)
+        hidden = split(batch.features, batch.tokens, batch.anchors, batch.lengths, batch.starts)
     else:
         hidden = model(batch.features, batch.tokens, batch.anchors, batch.starts)
     if split is not None and not (batch.teacher is not None and soft > 0):
@@ -474,7 +474,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     last = cfg.history[-1] if cfg.history else {}
     began, cpu0 = time.perf_counter(), time.process_time() - last.get("cpu_s", 0)
     blocks_total = last.get("blocks_total", 0)
-    per_forward = 1 if split else cfg.pack
+    per_forward = cfg.pack
     for step in range(start, cfg.steps):
         spent = (time.perf_counter() - began) / 60 / cfg.minutes if cfg.minutes else 0.0
         if cfg.minutes:  # the time budget's cosine (warm-up still by steps)
@@ -533,10 +533,7 @@ def attention_path(model: TrainingDraft, cfg: TrainConfig) -> SplitForward | Non
     if cfg.attention == "split" and not supports(model.cfg):
         raise ConfigError(f"--attention split: not for a {model.cfg.format.describe()} draft",
                           "use --attention dense (or auto)")
-    if cfg.attention == "split" and cfg.pack > 1:
-        raise ConfigError(f"--pack {cfg.pack} packs sequences for the dense attention only",
-                          "add --attention dense, or leave --pack at 1")
-    if cfg.attention == "dense" or cfg.pack > 1 or not supports(model.cfg):  # --pack asks for the dense path
+    if cfg.attention == "dense" or not supports(model.cfg):
         return None  # (training.json's notes name the path taken)
     return SplitForward(model)
 
