@@ -47,7 +47,7 @@ tests)
     mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/
     setup .lease/a
     { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
-    timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 40 --durations=0 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
+    HETERO_SD_FAILLOG="$OUT/cuda-failures.log" timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 40 --durations=0 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
     ;;
 train)
     stage train: join the GGUF

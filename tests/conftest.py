@@ -101,3 +101,12 @@ def smollm_random(default_folder):
     import hetero_sd
 
     return hetero_sd.load("default", "random", block_size=16)
+
+
+def pytest_runtest_logreport(report):
+    """HETERO_SD_FAILLOG=FILE: each failure's traceback is appended there as it happens, so that a run cut
+    off by a time limit (a lent GPU's call) still says why its failed tests failed."""
+    path = os.environ.get("HETERO_SD_FAILLOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
