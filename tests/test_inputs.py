@@ -108,7 +108,8 @@ TRAIN = [
     (["--anchors", "-1"], "--anchors must be >= 0"), (["--max-new-tokens", "-2"], "--max-new-tokens must be >= 1"),
     (["--steps", "0"], "--steps must be >= 1"), (["--steps", "-1"], "--steps must be >= 1"),
     (["--prompts", "-3"], "--prompts must be >= 1"), (["--accumulate", "0"], "--accumulate must be >= 1"),
-    (["--data", "/nonexistent.jsonl"], "is not a file"),
+    (["--data", "/nonexistent.jsonl"], "is not a file"), (["--minutes", "0"], "--minutes must be a finite number > 0"),
+    (["--minutes", "inf"], "--minutes must be a finite number > 0"),
 ]
 
 

@@ -88,6 +88,8 @@ def train_args(args) -> None:
         raise InvalidArgumentError(f"--lr must be a finite number > 0, got {args.lr}", "pass --lr 6e-4")
     if not (math.isfinite(args.soft) and args.soft >= 0):
         raise InvalidArgumentError(f"--soft must be a finite number >= 0, got {args.soft}", "pass --soft 0 or e.g. 0.5")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes > 0):
+        raise InvalidArgumentError(f"--minutes must be a finite number > 0, got {args.minutes}", "pass e.g. --minutes 7")
     if not 0 <= args.code_fraction <= 1:
         raise InvalidArgumentError(f"--code-fraction must be in [0, 1], got {args.code_fraction}", "pass e.g. 0.5")
     try:

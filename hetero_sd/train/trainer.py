@@ -479,7 +479,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         spent = (time.perf_counter() - began) / 60 / cfg.minutes if cfg.minutes else 0.0
         if cfg.minutes:  # the time budget's cosine (warm-up still by steps)
             for group in optim.param_groups:
-                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(spent, 1)))
+                group["lr"] = cfg.lr * lr_factor(step, cfg, spent)
         last_step = step + 1 == cfg.steps or spent >= 1
         lr = optim.param_groups[0]["lr"]
         total, blocks = 0.0, 0
@@ -521,9 +521,11 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     return {"draft": str(out), "history": cfg.history, "notes": notes}
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `steps` (LambdaLR's multiplier)."""
-    return min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, cfg.steps) / cfg.steps))
+def lr_factor(step: int, cfg: TrainConfig, spent: float | None = None) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `steps` (LambdaLR's multiplier), or over
+    the time budget when `spent` (its share used, --minutes) is given."""
+    progress = min(spent, 1.0) if spent is not None else min(step, cfg.steps) / cfg.steps
+    return min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def attention_path(model: TrainingDraft, cfg: TrainConfig) -> SplitForward | None:
