@@ -3,20 +3,22 @@
 # there but torch/transformers/...): the CUDA test paths, then the default draft trained at scale on CUDA.
 # The embedded GGUF (98 MB) is over one call's 64 MiB, so it travels in two xz parts, one per call, and
 # the machine must stay warm between the two calls (30 s).
-#   here:        bash benchmarks/gpu_session.sh pack   # .lease/a (GGUF part 1, the gguf wheel), .lease/b (part 2, init draft)
-#   call 1:      bash benchmarks/gpu_session.sh tests  # carry .lease/a: tests/test_cuda.py -> $OUT/cuda-tests.log
-#   call 2:      MINUTES=7 bash benchmarks/gpu_session.sh train  # carry .lease/b: train-draft --device cuda -> $OUT
-#                (PACK sequences per forward, ACCUMULATE per step: 8 and 8; LR 2.5e-4; LAYERS 4 from the init draft)
+#   here:   PY=.venv/bin/python bash benchmarks/gpu_session.sh pack  # .lease/a (GGUF part 1, gguf wheel), .lease/b (part 2, init draft, rows)
+#   call 1: bash benchmarks/gpu_session.sh stash        # carry .lease/a (~60 MB): part 1 into /tmp, nvidia-smi (~40 s with the start)
+#   call 2, AT ONCE: MINUTES=8 TRAIN_S=560 bash benchmarks/gpu_session.sh train   # carry .lease/b; timeout_s 590
+#           (PACK sequences per forward and ACCUMULATE per step: 8 and 8; LR 2.5e-4; LAYERS 4 grown from the init draft)
+#   call 3, if >= ~2 minutes are left: TEST_S=100 bash benchmarks/gpu_session.sh tests   # tests/test_cuda.py
+# Training comes first (the guide's order for a lent GPU); call 1 only stages what does not fit call 2.
 # The tree that travels must be small (~2 MB): run it from a branch without benchmarks/results,
-# benchmarks/distill-data and the shipped draft's weights (the init draft and the stores' rows, packed by
-# benchmarks/lease_rows.py since their prompt texts come from packages the machine lacks, travel in .lease/b). What comes back: the draft (split in
-# <16 MiB parts: join with cat), its config, training.json, log.jsonl, train.log.
+# benchmarks/distill-data and the shipped draft's weights (benchmarks/TRAINING.md, "A lent GPU"); the init
+# draft and the stores' rows (packed by benchmarks/lease_rows.py: their prompt texts come from packages the
+# machine lacks) travel in .lease/b. What comes back from call 2: the draft (in <16 MiB parts: join with cat),
+# its config, training.json, log.jsonl, train.log, stages.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 LEASE=/tmp/lease
 STORES="benchmarks/distill-data/SmolLM2-135M-Instruct benchmarks/distill-data/SmolLM2-135M-Instruct-int8-turns"
-GGUF_SHA=${GGUF_SHA:-}
 
 stage() { echo "$(date +%T) $*" | tee -a "${OUT:-/tmp}/stages.log"; }  # where a cut-off call stopped
 
@@ -42,11 +44,15 @@ pack)
     "${PY:-.venv/bin/python}" benchmarks/lease_rows.py pack $STORES /tmp/rows.npz && xz -T2 -9 -c /tmp/rows.npz > .lease/b/rows.npz.xz
     du -sh .lease/a .lease/b
     ;;
-tests)
-    stage tests: setup
-    mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/
-    setup .lease/a
-    { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
+stash)  # call 1: part 1 of the GGUF kept in /tmp for call 2, the wheel installed, the machine described
+    stage stash
+    mkdir -p $LEASE && cp .lease/a/gguf.xz.part-* $LEASE/ && cp .lease/a/*.whl $LEASE/
+    setup $LEASE
+    { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt"
+    ;;
+tests)  # call 3 (what device time is left): nothing carried
+    stage tests
+    setup $LEASE
     HETERO_SD_FAILLOG="$OUT/cuda-failures.log" timeout "${TEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rs --tb=short --timeout 40 --durations=0 tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log"
     ;;
 train)
