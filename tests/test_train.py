@@ -294,3 +294,24 @@ def test_a_time_budget_ends_training_with_a_save(tmp_path, tiny_llama):
     step = out["history"][-1]["step"]
     assert 1 <= step < 10_000 and "held_out_tau" in out["history"][-1]
     assert (tmp_path / "d" / "model.safetensors").is_file() and (tmp_path / "d" / "checkpoint.pt").is_file()
+
+
+def test_batched_features_are_the_targets_own_features(tmp_path, tiny_llama):
+    """A GPU's feature cache computes a step's new sequences in one padded forward of transformers' model:
+    each sequence's features are those our target gives it alone (the layer-3 entry, the last layer's, after
+    the final norm as ours), in memory and on disk, and a batch drawn with it is the batch drawn without."""
+    from hetero_sd.train.trainer import make_batch
+    rows = counting_rows(6)
+    for r in rows[::2]:
+        r["response_ids"] = r["response_ids"][:7]  # sequences of different lengths: padding at work
+    layers = [0, 2, 3]
+    for disk in (None, tmp_path / "store"):
+        plain, batched = FeatureCache(tiny_llama, layers), FeatureCache(tiny_llama, layers, batched=True, disk=disk)
+        forwards = []
+        batched.batched.register_forward_hook(lambda *a: forwards.append(1))
+        a = make_batch(rows, 4, random.Random(5), 3, plain, False, "cpu")
+        b = make_batch(rows, 4, random.Random(5), 3, batched, False, "cpu")
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.anchors, b.anchors)
+        torch.testing.assert_close(b.features, a.features, rtol=1e-2, atol=1e-2)  # both stored as bf16
+        assert len(forwards) == 1 and batched.computed == plain.computed > 1  # every new row in one forward
+    assert FeatureCache(tiny_llama, layers, batched=True, top_k=4).batched is None  # soft labels: our target

@@ -80,12 +80,18 @@ class FeatureCache:
     seen only a few times, so recomputing costs little over caching."""
 
     def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0,
-                 device: str = "cpu", disk: Path | None = None, numerics: str = "float32"):
+                 device: str = "cpu", disk: Path | None = None, numerics: str = "float32", batched: bool = False):
         """numerics "int8": the features of the runtime's default CPU target of a GGUF (int8 rows x its blocks:
         ~4.4x fewer CPU-seconds per sequence than float32 rows on the 2-core Zen 5; a draft reads them alike,
-        benchmarks/features_numerics.py); kept in a store of their own."""
+        benchmarks/features_numerics.py); kept in a store of their own. batched (float32 features, no soft
+        labels): `prefetch` computes a step's new sequences in one padded forward of transformers' model of the
+        target (on a GPU one sequence per forward is launch-bound; on the CPU our own target is faster)."""
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
         self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids, activations=numerics)
+        self.layer_ids, self.batched = list(layer_ids), None
+        if batched and numerics == "float32" and not top_k:
+            from transformers import AutoModelForCausalLM
+            self.batched = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32).to(device).eval()
         self.store: OrderedDict[int, tuple] = OrderedDict()
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
         # On disk: features only (soft labels need the target's logits, so they run the target anyway).
@@ -102,6 +108,35 @@ class FeatureCache:
                 self.disk.put(key, tokens, stored)
             return stored.to(self.target.device).float()
         return self.entry(index, tokens)[0].float()
+
+    def prefetch(self, items: list[tuple[int, list[int], str | None]]) -> None:
+        """(index, tokens, key) of a step's sequences: those neither in memory nor on disk are computed in one
+        padded forward (right-padded: a causal model's real positions never see the pads) and kept."""
+        if self.batched is None:
+            return
+        fresh = {i: (t, k or f"row:{i}") for i, t, k in items if i not in self.store}  # a row drawn twice: once
+        todo = [(i, t, k) for i, (t, k) in fresh.items() if self.disk is None or not self.disk.has(k, t)]
+        if not todo:
+            return
+        cpu0, dev = time.process_time(), self.target.device
+        longest = max(len(t) for _, t, _ in todo)
+        ids = torch.zeros(len(todo), longest, dtype=torch.long)
+        mask = torch.zeros(len(todo), longest, dtype=torch.long)
+        for row, (_, t, _) in enumerate(todo):
+            ids[row, :len(t)], mask[row, :len(t)] = torch.tensor(t), 1
+        with torch.no_grad():
+            states = self.batched(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True,
+                                  logits_to_keep=1).hidden_states  # [embeddings, layer 0, ...]: layer i is i + 1
+            # (the last layer's entry is after the final norm, as feature_parts arranges ours)
+            feats = torch.cat([states[i + 1] for i in self.layer_ids], -1).to(torch.bfloat16)
+        for row, (index, t, key) in enumerate(todo):
+            entry = feats[row, :len(t)].clone()
+            if self.disk is not None:
+                self.disk.put(key, t, entry)
+            else:
+                self.keep(index, (entry,))
+        self.computed += len(todo)
+        self.compute_cpu_s += time.process_time() - cpu0
 
     def compute(self, tokens: list[int]) -> tuple:
         """The target's forward: features (bf16) and, with top_k, its top-k log-probabilities and ids."""
@@ -126,7 +161,9 @@ class FeatureCache:
         if index in self.store:
             self.store.move_to_end(index)
             return self.store[index]
-        entry = self.compute(tokens)
+        return self.keep(index, self.compute(tokens))
+
+    def keep(self, index: int, entry: tuple) -> tuple:
         self.store[index] = entry
         self.bytes += sum(t.numel() * t.element_size() for t in entry)
         while self.bytes > self.budget and len(self.store) > 1:
@@ -299,10 +336,14 @@ def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, f
                device, block: int = 0, short: float = 0.0) -> Batch:
     """`count` sequences drawn from `rows`, each with its random anchors, packed for one forward."""
     parts, offset = {"features": [], "tokens": [], "anchors": [], "starts": [], "ends": [], "logp": [], "ids": []}, 0
-    for _ in range(count):
+    drawn = []
+    for _ in range(count):  # rows and anchors first (the same random stream as drawing them one by one) ...
         row = rng.choice(rows)
         ids = row["prompt_ids"] + row["response_ids"]
-        chosen = sample_anchors(rng, len(row["prompt_ids"]), len(ids), anchors)
+        drawn.append((row, ids, sample_anchors(rng, len(row["prompt_ids"]), len(ids), anchors)))
+    if hasattr(features, "prefetch"):  # ... so that a batched feature cache computes the new ones at once
+        features.prefetch([(row["index"], ids, row.get("key")) for row, ids, _ in drawn])
+    for row, ids, chosen in drawn:
         parts["features"].append(features(row["index"], ids, row.get("key")))
         parts["tokens"].append(torch.tensor(ids))
         parts["anchors"].append(chosen + offset)
@@ -432,7 +473,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     device, autocast = train_device(cfg.device, cfg.autocast)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device,
                             disk=Path(cfg.feature_cache) if cfg.feature_cache else None,
-                            numerics=cfg.feature_numerics)
+                            numerics=cfg.feature_numerics, batched=device != "cpu")
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     split = attention_path(model, cfg)
     if cfg.short_blocks and split is None:
@@ -467,7 +508,9 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     notes = {"autocast": autocast_note(device, autocast, cfg.autocast),
              "attention": "split (block vs context + within block)" if split else "dense (one masked matrix)",
              "loss": "chunked cross-entropy" if split and cfg.soft == 0 else "cross-entropy over all logits",
-             "features": (f"on disk in {cfg.feature_cache}" if features.disk is not None else
+             "features": ("a step's new sequences in one padded forward of transformers' model of the target; "
+                          if features.batched is not None else "") +
+                         (f"on disk in {cfg.feature_cache}" if features.disk is not None else
                           "in memory" + (" (--feature-cache not used: soft labels need the target's logits, "
                                          "so its forward runs every time)" if cfg.feature_cache else ""))}
     weights = torch.exp(-torch.arange(cfg.block_size - 1, device=device) / cfg.decay())
