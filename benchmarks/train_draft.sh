@@ -19,7 +19,12 @@ FEATURES=${FEATURES:-/work/train-out/features}
 PY=${PY:-python}
 RESUME=""; [ -f "$OUT/checkpoint.pt" ] && RESUME=--resume
 mkdir -p "$OUT"
-nice -n 19 nohup env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m hetero_sd.cli train-draft \
+# glibc keeps freed memory in the process: a step allocates and frees tensors of tens of MB ([1024 rows x ~10k]
+# logits, attention scores), each a fresh mmap that page-faults as it is first written; with these settings a
+# G4 step took 0.89x the time (40 steps, 3 alternating runs each, 2-core Zen 5, 27 Nov; benchmarks/TRAINING.md).
+# glibc accepts a threshold above 32 MB from the environment only (mallopt refuses it).
+MALLOC="MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456"
+nice -n 19 nohup env $MALLOC PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m hetero_sd.cli train-draft \
     --target default --distill benchmarks/distill-data/SmolLM2-135M-Instruct $(for d in ${MORE_DATA:-}; do printf -- '--distill %s ' "$d"; done) --out "$OUT" \
     --init-from "${INIT:-cpu-trained}" --layers "${LAYERS:-2}" --block-size "${BLOCK:-16}" --steps "${STEPS:-6000}" --lr "${LR:-1e-3}" \
     ${GAMMA:+--gamma "$GAMMA"} ${SHORT:+--short-blocks "$SHORT"} --accumulate "${ACCUMULATE:-4}" --anchors "${ANCHORS:-0}" --vocab-frequent "${VOCAB_K:-8192}" --feature-cache "$FEATURES" --feature-numerics "${FEATURE_NUMERICS:-float32}" --held-out "${HELD_OUT:-256}" \
