@@ -12,12 +12,10 @@ import numpy as np
 
 def pack(stores: list[str], out: str) -> None:
     from hetero_sd.loading.sources import resolve_target
-    from hetero_sd.train.distill import load_distilled
-    target, rows = resolve_target("default"), []
-    for i, folder in enumerate(stores):
-        part = load_distilled(Path(folder), target)
-        rows += [dict(r, index=len(rows) + j, store=i) for j, r in enumerate(part)]
-    np.savez(out, keys=np.array("\n".join(r["key"] for r in rows)), store=np.array([r["store"] for r in rows], np.uint8),
+    from hetero_sd.train.distill import load_stores  # the rows `train-draft --distill A --distill B` trains on
+    rows = load_stores([Path(f) for f in stores], resolve_target("default"))
+    np.savez(out, keys=np.array("\n".join(r["key"] for r in rows)),
+             store=np.array([r.get("store", 0) for r in rows], np.uint8),
              plen=np.array([len(r["prompt_ids"]) for r in rows], np.uint32),
              rlen=np.array([len(r["response_ids"]) for r in rows], np.uint32),
              tokens=np.concatenate([np.array(r["prompt_ids"] + r["response_ids"], np.uint16) for r in rows]))

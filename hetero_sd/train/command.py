@@ -13,7 +13,7 @@ import torch
 from hetero_sd.errors import ConfigError
 from hetero_sd.loading.sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
-from .distill import generate_shards, load_distilled, unanswered
+from .distill import generate_shards, load_stores, unanswered
 from .prompts import training_prompts
 from .trainer import TrainConfig, train
 
@@ -141,12 +141,7 @@ def distill_rows(target: Path, folders: list[Path], args: argparse.Namespace) ->
     shards as they are, so that training can start while the data job goes on; rows of several stores carry
     their store's number (`store`), so that each store keeps its own held-out rows (trainer.split_held_out)."""
     if not args.generate_only:
-        rows: list[dict] = []
-        for i, folder in enumerate(folders):
-            part = load_distilled(folder, target, log=lambda line: err.print(line, highlight=False))
-            rows += [dict(r, index=len(rows) + j, **({"store": i} if len(folders) > 1 else {}))
-                     for j, r in enumerate(part)]
-        return rows
+        return load_stores(folders, target, log=lambda line: err.print(line, highlight=False))
     folder = folders[0]
     prompts = None
     if args.skip_answered:

@@ -273,3 +273,13 @@ def load_distilled(folder: Path, target_folder: Path, texts: dict[str, str] | No
         log(f"{folder}: {missing} answers whose prompt is gone and {changed} whose prompt reads differently "
             f"were left out ({len(rows)} kept)")
     return rows
+
+
+def load_stores(folders: list[Path], target_folder: Path, log=print) -> list[dict]:
+    """The rows of several stores, numbered on (`index`); with more than one store each row carries its
+    store's number (`store`), so that each store keeps its own held-out rows (trainer.split_held_out)."""
+    rows: list[dict] = []
+    for i, folder in enumerate(folders):
+        part = load_distilled(folder, target_folder, log=log)
+        rows += [dict(r, index=len(rows) + j, **({"store": i} if len(folders) > 1 else {})) for j, r in enumerate(part)]
+    return rows
