@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--train-rows", type=int, default=0,
                     help="replay N rows the run TRAINED on instead (every k-th of the training rows, the same split): "
                          "the gap to the held-out figures says whether the draft overfits its data")
+    ap.add_argument("--lookup", type=float, default=0.0,
+                    help="the context lookup's weight in each draft's proposals (decoding/lookup.py; 0: off)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -58,6 +60,7 @@ def main() -> None:
     held = [r for r in held if len(r["response_ids"]) > 1]
     cpu0 = time.process_time()
     result = {"held_out_rows": 0 if args.train_rows else len(held), "training_rows": len(held) if args.train_rows else 0, "max_tokens": args.max_tokens, "block_size": args.block_size,
+              "lookup": args.lookup,
               "ngram_floor": ngram_tau(NGramDraft(rest), held, args.block_size, args.max_tokens)}
     drafts = [(name, init_folder(name)) for name in args.draft]
     if args.run:
@@ -70,7 +73,7 @@ def main() -> None:
             features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
                                     disk=Path(args.feature_cache) if args.feature_cache else None,
                                     numerics=args.feature_numerics)
-        result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size)
+        result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size, args.lookup)
     if features is not None and features.disk is not None:
         features.disk.flush()
     result["cpu_s"] = round(time.process_time() - cpu0, 1)

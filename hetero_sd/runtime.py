@@ -24,6 +24,7 @@ from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
 from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, forget as forget_costs, source_id
 from hetero_sd.decoding.costs import backend_dtype
 from hetero_sd.decoding.lanes import Lane, Lanes
+from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT, ContextLookup
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
 from hetero_sd.decoding.stats import Stats
 from hetero_sd.decoding.timeline import Timeline
@@ -155,7 +156,8 @@ class Runtime:
 
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
-                 memory: Memory | None = None, lane_threads: bool = False, verify_gate: float | None = None):
+                 memory: Memory | None = None, lane_threads: bool = False, verify_gate: float | None = None,
+                 lookup: float = LOOKUP_WEIGHT):
         """lane_threads: every backend call on its lane's worker thread, none inline in the caller's
         (LoadPolicy.lane_threads; HETERO_SD_LANE_THREADS=1 in the CLI: to measure the inline rule, lanes.py)."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -164,6 +166,7 @@ class Runtime:
         self.schedule = check_schedule(schedule)
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.verify_gate = verify_gate  # None, or the draft probability below which drafts go unverified
+        self.lookup = lookup  # the context lookup's weight in the draft's proposals (0: off)
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
         self.costs_rechecked = False
@@ -205,7 +208,9 @@ class Runtime:
         speculative=True (False: the autoregressive baseline on the same backend), rule="match",
         schedule=None (the runtime's: "sequential" or "overlap"), block=None (the runtime's: "auto",
         "fixed" or a size up to the draft's), verify_gate=None (the runtime's: None, or verify only the drafts
-        before the first whose draft probability is below it: sampling.gated), timeline=None (record into this one)."""
+        before the first whose draft probability is below it: sampling.gated), lookup=None (the runtime's: the
+        context lookup's weight in the draft's proposals, 0 off: decoding/lookup.py), timeline=None (record into
+        this one)."""
         self.check_open()
         prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat, self.chat_options.override(system_prompt, chat_template_kwargs))
@@ -216,7 +221,8 @@ class Runtime:
                min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, speculative: bool = True, rule: str = "match", schedule: str | None = None,
                timeline: Timeline | None = None, request: int = 0, draft=None,
-               block: str | int | None = None, verify_gate: float | None = None) -> Iterator[StreamEvent]:
+               block: str | int | None = None, verify_gate: float | None = None,
+               lookup: float | None = None) -> Iterator[StreamEvent]:
         """Everything is checked here, before any model work; the returned iterator takes its own
         caches (a slot) when first advanced and gives them back when it ends or is closed.
         draft: another draft over the same target (bench's float32 reference); forked per generation."""
@@ -236,6 +242,7 @@ class Runtime:
         if use_draft:
             block = validate.block(self.block if block is None else block, self.draft.block_size)
             verify_gate = validate.verify_gate(self.verify_gate if verify_gate is None else verify_gate)
+            lookup = validate.lookup(self.lookup if lookup is None else lookup)
         self.check_length(len(prompt_ids), max_new_tokens, self.block_size if use_draft else 1)
         stats = Stats(mode="speculative" if use_draft else "autoregressive",
                       schedule=schedule if use_draft else "sequential",
@@ -252,9 +259,21 @@ class Runtime:
         if use_draft:
             req.policy = self.block_policy(block, prompt_ids)
             req.gate = verify_gate
+            req.lookup = self.context_lookup(lookup, prompt_ids, stats)
         loop = (decoding.autoregressive if not use_draft else
                 decoding.overlapped if schedule == "overlap" else decoding.speculative)
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
+
+    def context_lookup(self, weight: float, prompt_ids: list[int], stats: Stats) -> ContextLookup | None:
+        """The lookup over the prompt, or None: off, or a DFlash2 draft (its selector walks its own candidates;
+        said in the stats)."""
+        if weight == 0:
+            return None
+        if str(self.info.get("draft_format") or "").startswith("dflash2"):
+            stats.notes.append("context lookup: not applied to a DFlash2 draft (its selector chooses the tokens)")
+            return None
+        stats.lookup_weight = weight
+        return ContextLookup(prompt_ids, weight)
 
     def in_slot(self, req: decoding.Request, loop, use_draft: bool, draft=None) -> Iterator[decoding.Step]:
         """Run a decoding loop on caches of its own, taken at its first step and given back at its end.
@@ -448,7 +467,7 @@ def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
 
 def load(target: str = "default", draft: str | None = "default", *, target_device: str = "cpu",
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
-         block_size: int | str | None = None, verify_gate: float | None = None,
+         block_size: int | str | None = None, verify_gate: float | None = None, lookup: float = LOOKUP_WEIGHT,
          max_context: int | None = None, cpu_threads: int | None = None, policy: LoadPolicy | None = None,
          system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> Runtime:
     """Load a target and optionally a DFlash draft.
@@ -467,7 +486,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     2 up to the draft's size, from this placement's step costs (measured once per machine and cached
     under the model home) and the acceptance seen so far; "fixed": the draft's own size on every step;
     or a size from 2 to the draft's own, used on every step. verify_gate: None (verify every draft of a block), or a
-    draft probability: each block is verified only up to its first draft below it (sampling.gated). policy: how the backends may store and multiply
+    draft probability: each block is verified only up to its first draft below it (sampling.gated). lookup: the weight
+    of the context lookup in the draft's proposals (0: the draft's alone; decoding/lookup.py). policy: how the backends may store and multiply
     the weights (backends/policy.py: GGUF blocks, fused ops, the GEMM kernel, the draft's int8 head); the
     default allows everything this machine runs; the CLI builds it from the HETERO_SD_* variables. draft="auto": the published draft of a
     known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
@@ -475,6 +495,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     validate.load_args(target=target, draft=draft, target_device=target_device, draft_device=draft_device,
                        schedule=schedule, max_context=max_context)
     check_schedule(schedule)
+    lookup = validate.lookup(lookup)
     options = chat_options(system_prompt, chat_template_kwargs)  # checked before any model work
     loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,
                          dtype=dtype, draft_dtype=draft_dtype, block_size=block_size, max_context=max_context,
@@ -490,7 +511,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
                                 code_id(t, d))
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
-                 lane_threads=(policy or DEFAULT).lane_threads, verify_gate=validate.verify_gate(verify_gate))
+                 lane_threads=(policy or DEFAULT).lane_threads, verify_gate=validate.verify_gate(verify_gate),
+                 lookup=lookup)
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

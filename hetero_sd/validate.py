@@ -224,6 +224,14 @@ def verify_gate(value):
     return float(value)
 
 
+def lookup(value):
+    """The context lookup's weight in the draft's proposals: a number in [0, 1) (0: off)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise InvalidArgumentError(f"lookup weight must be a number from 0 (off) up to 1 (exclusive), got {value!r}",
+                                   "pass e.g. 0.4 (the default), or 0 to propose the draft's tokens alone")
+    return float(value)
+
+
 def block_size(value, draft_size: int):
     """load(block_size=...): None (the default: 'auto') or a block setting as for `block`."""
     return None if value is None else block(value, draft_size, "block size")

@@ -23,6 +23,7 @@ from hetero_sd.decoding.sampling import Sampler, SamplingParams, Verdict
 from .conftest import make_tiny_target
 
 VOCAB, PROMPT, N, STEPS = 8, [2, 5, 6, 4], 2500, 3
+REPEATS = [2, 5, 6, 2, 5, 6, 2, 5]  # the context lookup guesses 6 after it (decoding/lookup.py)
 P_MIN = 1e-3  # a correct sampler fails this test one time in a thousand
 
 
@@ -37,7 +38,7 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def exact_joint(target_folder, params: SamplingParams) -> dict[tuple, float]:
+def exact_joint(target_folder, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     """P(first three tokens) by enumeration with transformers' model and our logits processing."""
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +47,7 @@ def exact_joint(target_folder, params: SamplingParams) -> dict[tuple, float]:
 
     def next_probs(prefixes):
         with torch.no_grad():
-            return probs(model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]).double()
+            return probs(model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]).double()
 
     joint = {(): 1.0}
     for _ in range(STEPS):
@@ -71,14 +72,14 @@ def chi_square_p(samples: list[tuple], joint: dict[tuple, float]) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def sample_many(rt, params: SamplingParams, speculative=True, rule="match", **kw) -> tuple[list[tuple], dict]:
+def sample_many(rt, params: SamplingParams, speculative=True, rule="match", prompt=PROMPT, **kw) -> tuple[list[tuple], dict]:
     out, totals = [], Counter()
     for seed in range(N):
-        g = rt.generate(PROMPT, max_new_tokens=STEPS, temperature=params.temperature, top_k=params.top_k,
+        g = rt.generate(prompt, max_new_tokens=STEPS, temperature=params.temperature, top_k=params.top_k,
                         top_p=params.top_p, seed=seed, speculative=speculative, rule=rule, **kw)
         out.append(tuple(g.token_ids))
         totals.update(accepted=g.stats.num_accepted_tokens, drafted=g.stats.num_draft_tokens,
-                      gated=g.stats.gated_drafts)
+                      gated=g.stats.gated_drafts, steered=g.stats.lookup_drafts)
     return out, totals
 
 
@@ -108,6 +109,31 @@ def test_gated_blocks_follow_the_target_distribution(pair, rule):
     p = chi_square_p(samples, exact_joint(pair[0], params))
     assert p > P_MIN, f"gated samples do not follow the target distribution (chi-square p = {p:.2e})"
     assert 0 < totals["accepted"] < totals["drafted"] and totals["gated"] > 0
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_proposals_mixed_with_the_context_lookup_follow_the_target_distribution(pair, rule):
+    """With the context lookup at a high weight its guesses make most proposals (decoding/lookup.py): under
+    `rejection` the tokens are drawn from the mixture and divided by it, under `match` the mixture's top
+    token is proposed; either way the samples follow the target."""
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="fixed")
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule=rule, prompt=REPEATS, lookup=0.9)
+    p = chi_square_p(samples, exact_joint(pair[0], params, REPEATS))
+    assert p > P_MIN, f"samples with the lookup do not follow the target distribution (chi-square p = {p:.2e})"
+    assert 0 < totals["accepted"] < totals["drafted"] and totals["steered"] > 0
+
+
+def test_negative_control_catches_a_lookup_that_hides_its_mixture(pair, monkeypatch):
+    """Drawing from the mixture but handing the rule the draft's own q (a plausible slip) must fail."""
+    from hetero_sd.decoding.lookup import ContextLookup
+
+    mixed = ContextLookup.mix
+    monkeypatch.setattr(ContextLookup, "mix", lambda self, q, draw: (mixed(self, q, draw)[0], q))
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="fixed")
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule="rejection", prompt=REPEATS, lookup=0.9)
+    assert totals["steered"] > 0 and chi_square_p(samples, exact_joint(pair[0], params, REPEATS)) < P_MIN
 
 
 def test_negative_control_catches_a_wrong_rejection_rule(pair, monkeypatch):

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from hetero_sd.errors import OutputPathError
+from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT
 from hetero_sd.runtime import load
 
 from .policy import policy_from_env
@@ -49,7 +50,7 @@ def load_runtime(args, schedules: list[str], target_device: str | None = None, d
     concurrent = next((s for s in schedules if s != "sequential"), "sequential")
     return load(args.target, None if args.draft == "none" else args.draft,
                 target_device=target_device or args.target_device, draft_device=draft_device or args.draft_device, dtype=args.dtype, draft_dtype=args.draft_dtype, block_size=args.block_size,
-                verify_gate=getattr(args, "verify_gate", None),
+                verify_gate=getattr(args, "verify_gate", None), lookup=getattr(args, "lookup", LOOKUP_WEIGHT),
                 schedule=concurrent, cpu_threads=args.threads, policy=policy_from_env(),
                 system_prompt=getattr(args, "system_prompt", None),
                 chat_template_kwargs=getattr(args, "chat_template_kwargs", None))

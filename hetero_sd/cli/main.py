@@ -12,6 +12,7 @@ from rich.table import Table
 
 from hetero_sd import validate
 from hetero_sd.errors import HeteroSDError, InvalidArgumentError, OutputPathError
+from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT
 from hetero_sd.decoding.timeline import chrome_trace
 from hetero_sd.loading.templates import chat_options, parse_kwargs
 
@@ -42,6 +43,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--verify-gate", type=float, default=None, metavar="P",
                    help="verify each block only up to its first draft whose draft probability is below P "
                         "(e.g. 0.3; default: every draft); lossless at any P")
+    p.add_argument("--lookup", type=float, default=LOOKUP_WEIGHT, metavar="W",
+                   help=f"weight of the context lookup in the draft's proposals (default {LOOKUP_WEIGHT}: the token that "
+                        "followed the context's last 3, else 2, tokens earlier; 0: the draft's alone); lossless at any W")
     p.add_argument("--system-prompt", default=None, help="a system message put before chat prompts")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="""JSON object for the chat template, e.g. '{"enable_thinking": false}' (Qwen3's drafts """

@@ -29,6 +29,7 @@ from hetero_sd.backends.base import DraftBackend, TargetBackend
 
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
+from .lookup import ContextLookup
 from .sampling import Sampler, draft_tokens, gated, verify
 from hetero_sd.backends.base import logits_of
 from .stats import Stats
@@ -86,6 +87,7 @@ class Request:
     context_s: float = 0.0  # of which the draft's catch-up on context (long after a plain stretch)
     reuse: int = 0  # prompt positions already in the target's cache and the draft's context (prefix cache)
     keep_context: bool = False  # the prefix cache keeps this generation's caches: bring the draft up to date
+    lookup: ContextLookup | None = None  # context lookup mixed into the draft's proposals (lookup.py)
 
     def block_size(self) -> int:
         """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
@@ -98,6 +100,8 @@ class Request:
         kept = self.budget.take(tokens)
         self.stats.record_emitted(len(kept), self.budget.finish_reason)
         self.sampler.emitted(kept)  # the penalties count what was generated
+        if self.lookup:
+            self.lookup.extend(kept)
         if self.policy:
             self.policy.emitted(kept)
         return kept
@@ -185,7 +189,9 @@ def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
     """Verify the drafted block in one target forward (`launch` submits it, for the overlap schedule);
     crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
     start = r.target.length
-    drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule)  # row i: position start + 1 + i
+    drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule, r.lookup)  # row i: position start + 1 + i
+    if r.lookup:
+        r.stats.lookup_drafts = r.lookup.steered
     if r.gate is not None:
         keep = gated(logits, drafted, q, r.gate)
         r.stats.gated_drafts += len(drafted) - keep

@@ -149,14 +149,18 @@ class Verdict:
     tokens: list[int]  # accepted drafts followed by the bonus/correction token
 
 
-def draft_tokens(sampler: Sampler, draft_logits, rule: str) -> tuple[list[int], torch.Tensor | None]:
+def draft_tokens(sampler: Sampler, draft_logits, rule: str, lookup=None) -> tuple[list[int], torch.Tensor | None]:
     """The block's proposals, and q (the distribution they were drawn from) when the rule needs it.
-    draft_logits: [n, vocab], or a DFlash2 SelectorBlock (its selector draws the tokens and gives q)."""
+    draft_logits: [n, vocab], or a DFlash2 SelectorBlock (its selector draws the tokens and gives q).
+    lookup: a lookup.ContextLookup whose guesses are mixed into q (DFlash blocks; not a selector's walk)."""
     if isinstance(draft_logits, SelectorBlock):
         return draft_logits.choose(sampler, rule)
     if sampler.params.greedy or rule == "match":
-        return argmax_rows(draft_logits), None
+        tokens = argmax_rows(draft_logits)
+        return (lookup.steer(draft_logits, tokens) if lookup else tokens), None
     q = sampler.probs(draft_logits)
+    if lookup:
+        return lookup.mix(q, lambda probs, i: sampler.draw(probs, i, "draft")[0])
     return sampler.draw(q, 0, "draft").tolist(), q
 
 

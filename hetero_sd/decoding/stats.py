@@ -28,6 +28,8 @@ class Stats:
     accepted_per_step: list[int] = field(default_factory=list)
     drafted_per_step: list[int] = field(default_factory=list)  # block size - 1 (varies under the controller)
     gated_drafts: int = 0  # drafts left unverified by the confidence gate (not in num_draft_tokens)
+    lookup_weight: float = 0.0  # the context lookup's weight in the proposals (0: off; decoding/lookup.py)
+    lookup_drafts: int = 0  # drafts where the lookup's guess replaced the draft's own most likely token
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from hetero_sd.backends.torch_backend import load_draft
+from hetero_sd.decoding.lookup import ContextLookup
+from hetero_sd.decoding.sampling import argmax_rows
 from hetero_sd.models.config import DraftConfig
 
 
@@ -86,11 +88,13 @@ def ngram_tau(table: NGramDraft, rows: list[dict], block: int, max_tokens: int) 
 
 
 @torch.no_grad()
-def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None) -> dict:
+def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None,
+              lookup: float = 0.0) -> dict:
     """Simulated decoding with the draft in `folder` as the runtime loads it, at its own block size or
     `block`; `features` is the trainer's FeatureCache (its target and, with a disk store, the stored features).
     A smaller `block` is drafted as the block-size controller drafts it (propose(size=block)); a larger one
-    makes the draft's blocks that long."""
+    makes the draft's blocks that long. lookup: the context lookup's weight in the proposals, as the runtime
+    mixes it in at T=0 (decoding/lookup.py; 0: the draft's tokens alone)."""
     cfg = DraftConfig.from_folder(Path(folder))
     block = block or cfg.block_size
     cfg.block_size = max(block, cfg.block_size)
@@ -100,13 +104,18 @@ def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: 
         ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
         feats = features(r["index"], ids, r.get("key"))
         draft.crop(0)
+        seen, fed = (ContextLookup(ids[:p], lookup) if lookup else None), [p]  # the lookup has ids[:fed[0]]
 
         def guess(a: int) -> list[int]:
             if draft.context_length < a:
                 draft.add_context(feats[draft.context_length:a])
             logits = draft.propose(ids[a], size=block)
             logits = getattr(logits, "logits", logits)
-            return logits.argmax(-1).tolist()
+            if seen is None:
+                return logits.argmax(-1).tolist()
+            seen.extend(ids[fed[0]:a + 1])
+            fed[0] = a + 1
+            return seen.steer(logits, argmax_rows(logits))
 
         per_row.append((r.get("source", "all"), replay(ids, p, block, guess, max_tokens)))
     return summarise(per_row)
