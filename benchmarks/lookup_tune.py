@@ -95,13 +95,23 @@ def main() -> None:
             sel = [r for r in part if source in ("all", r["source"])]
             table.setdefault(half, {})[source] = {o: {str(w): right(sel, o, w) for w in WEIGHTS} for o in ORDER_SETS}
     best = max(((table["tune"]["all"][o][str(w)], o, w) for o in ORDER_SETS for w in WEIGHTS))
+    # the controller's states (decoding/controller.py): whether the last 3 tokens occurred before
+    by_repeat = {}
+    for source in sorted({r["source"] for r in recs}):
+        for repeat in (True, False):
+            sel = [r for r in recs if r["source"] == source and ("3" in r["guess"]) == repeat]
+            by_repeat.setdefault(source, {})["repeat" if repeat else "no repeat"] = {
+                "share": round(len(sel) / max(sum(r["source"] == source for r in recs), 1), 3),
+                "draft": right(sel, "3>2", 0.0), "with_lookup_0.4": right(sel, "3>2", 0.4)}
     result = {"draft": args.draft, "held_out_rows": len(held), "anchors": len(recs), "max_tokens": args.max_tokens,
               "rule": "replace the draft's top token by the lookup's guess where (1 - w)(q(top) - q(guess)) < w",
               "position_1_right": table, "best_on_tune": {"orders": best[1], "weight": best[2]},
               "test_at_best": {s: table["test"][s][best[1]][str(best[2])] for s in table["test"]},
               "test_without": {s: table["test"][s][best[1]]["0.0"] for s in table["test"]},
+              "position_1_right_by_repeat": by_repeat,
               "cpu_s": round(time.process_time() - began, 1), "command": " ".join(sys.argv)}
-    print(json.dumps({k: result[k] for k in ("anchors", "best_on_tune", "test_at_best", "test_without")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("anchors", "best_on_tune", "test_at_best", "test_without",
+                                             "position_1_right_by_repeat")}, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
