@@ -257,9 +257,11 @@ class Runtime:
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else []),
                                stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
         if use_draft:
-            req.policy = self.block_policy(block, prompt_ids)
-            req.gate = verify_gate
             req.lookup = self.context_lookup(lookup, prompt_ids, stats)
+            # lookup blocks (the lookup's guesses without a draft pass) in the sequential loop; the overlap
+            # schedule pre-drafts every next block
+            req.policy = self.block_policy(block, prompt_ids, req.lookup if schedule == "sequential" else None)
+            req.gate = verify_gate
         loop = (decoding.autoregressive if not use_draft else
                 decoding.overlapped if schedule == "overlap" else decoding.speculative)
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
@@ -358,13 +360,13 @@ class Runtime:
         tokens, _ = draft_tokens(req.sampler, logits, "match")
         return DraftStep(anchor, tokens, logits_of(logits).float().cpu().numpy())
 
-    def block_policy(self, block: str | int, prompt_ids: list[int]):
+    def block_policy(self, block: str | int, prompt_ids: list[int], lookup: ContextLookup | None = None):
         """The per-step block size: the controller (a fresh one per generation, over the runtime's
-        memory), or a fixed size ("fixed": the draft's own)."""
+        memory; with `lookup`, a step may be a lookup block), or a fixed size ("fixed": the draft's own)."""
         if block == "fixed":
             return FixedBlock(self.draft.block_size)
         if block == "auto":
-            return AutoBlock(self.draft.block_size, self.controller_memory(), prompt_ids)
+            return AutoBlock(self.draft.block_size, self.controller_memory(), prompt_ids, lookup=lookup)
         return FixedBlock(validate.block(block, self.draft.block_size))
 
     def controller_memory(self) -> Memory:

@@ -72,3 +72,55 @@ def test_a_bad_lookup_weight_is_refused_with_the_fix(smollm_random):
     for bad in (1.0, -0.1, "0.4", True):
         with pytest.raises(InvalidArgumentError, match="lookup weight"):
             list(smollm_random.stream("hi", max_new_tokens=2, lookup=bad))
+
+
+def force_lookup_blocks(monkeypatch, draft_blocks: int = 0):
+    """The controller takes a lookup block wherever the text repeats and the lookup has a guess; with
+    draft_blocks=b, a draft block of b everywhere else and after every lookup block (never plain)."""
+    from hetero_sd.decoding.controller import AutoBlock
+
+    def lookup_block(self, speeds):
+        guesses = self.lookup.chain(self.max_size - 1) if self.lookup is not None and self.repeats.last else []
+        if draft_blocks and self.via_lookup_last:
+            guesses = []
+        self.via_lookup_last = bool(guesses)
+        return len(guesses) + 1 if guesses else 0
+    monkeypatch.setattr(AutoBlock, "via_lookup_last", False, raising=False)
+    monkeypatch.setattr(AutoBlock, "best_lookup", lookup_block)
+    if draft_blocks:
+        monkeypatch.setattr(AutoBlock, "best", lambda self: draft_blocks)
+
+
+@pytest.mark.slow
+def test_lookup_blocks_stay_lossless(smollm_random, baselines, monkeypatch):  # noqa: F811
+    """Blocks of the lookup's guesses alone (no draft pass) between draft blocks and plain steps: the draft's
+    context catches up on every position a lookup block verified, and the output is the target's own."""
+    import hetero_sd
+
+    force_lookup_blocks(monkeypatch, draft_blocks=4)
+    rt = hetero_sd.load("default", "random", block_size="auto")
+    repeated = "Say 'one two three' five times: one two three, one two three,"
+    base = smollm_random.generate(repeated, max_new_tokens=MAX_NEW, speculative=False)
+    for prompt, want in [(repeated, base.token_ids), (PROMPTS[0], baselines[PROMPTS[0]].token_ids)]:
+        spec = rt.generate(prompt, max_new_tokens=MAX_NEW)
+        assert spec.token_ids == want
+    spec = rt.generate(repeated, max_new_tokens=MAX_NEW)
+    assert spec.token_ids == base.token_ids and 0 < spec.stats.lookup_blocks < spec.stats.num_drafts
+
+
+def test_the_controller_takes_a_lookup_block_where_it_is_cheaper_and_as_right():
+    from hetero_sd.decoding.controller import AutoBlock, Memory
+    from hetero_sd.decoding.costs import Costs
+
+    costs = Costs(decode_s=1.0, verify_s={1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}, draft_s={2: 0.4, 4: 0.5, 8: 0.6})
+    seen = ContextLookup([1, 2, 3, 4, 1, 2, 3])
+    policy = AutoBlock(8, Memory(costs, 8, learn_costs=False), [1, 2, 3, 4, 1, 2, 3], lookup=seen)
+    policy.emitted([4])  # (the loop tells both)
+    seen.extend([4])
+    for _ in range(20):  # the draft is right at every position: long blocks pay
+        policy.observe(8, 7, 7, 1.0)
+    # the guesses 1, 2, 3, 4, ... (the cycle goes on): a block of 8 without the draft pass beats the draft's
+    assert policy.repeats.last and policy.best_lookup(policy.speeds()) == 8
+    assert policy.choose() >= 2 and policy.via_lookup
+    policy.repeats.last = False  # no repeat at the anchor: no lookup block
+    assert policy.best_lookup(policy.speeds()) == 0

@@ -79,7 +79,7 @@ def sample_many(rt, params: SamplingParams, speculative=True, rule="match", prom
                         top_p=params.top_p, seed=seed, speculative=speculative, rule=rule, **kw)
         out.append(tuple(g.token_ids))
         totals.update(accepted=g.stats.num_accepted_tokens, drafted=g.stats.num_draft_tokens,
-                      gated=g.stats.gated_drafts, steered=g.stats.lookup_drafts)
+                      gated=g.stats.gated_drafts, steered=g.stats.lookup_drafts, lookup_blocks=g.stats.lookup_blocks)
     return out, totals
 
 
@@ -174,3 +174,17 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     for rows in (x, x[:, ::2], x.t().contiguous().t(), x.double(), x[:1]):
         assert sampling.argmax_rows(rows) == rows.argmax(-1).tolist()
     assert sampling.argmax_rows(x)[1:4] == [7, 3001, 0]
+
+
+@pytest.mark.parametrize("rule", ["rejection", "match"])
+def test_lookup_blocks_follow_the_target_distribution(pair, rule, monkeypatch):
+    """Blocks of the lookup's guesses alone: a point mass on each guess, under either rule."""
+    from .test_lookup import force_lookup_blocks
+
+    force_lookup_blocks(monkeypatch)
+    rt = hetero_sd.load(str(pair[0]), str(pair[1]), block_size="auto")
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule=rule, prompt=REPEATS)
+    p = chi_square_p(samples, exact_joint(pair[0], params, REPEATS))
+    assert p > P_MIN, f"samples with lookup blocks do not follow the target distribution (chi-square p = {p:.2e})"
+    assert totals["lookup_blocks"] > 0

@@ -54,6 +54,16 @@ class ContextLookup:
                     return t
         return None
 
+    def chain(self, count: int) -> list[int]:
+        """Up to `count` guesses in a row, each after the ones before it (a lookup block's proposals)."""
+        out: list[int] = []
+        while len(out) < count:
+            g = self.guess(out)
+            if g is None:
+                break
+            out.append(g)
+        return out
+
     def steer(self, logits: torch.Tensor, drafted: list[int]) -> list[int]:
         """The most likely token of q' at each row, given the draft's argmax tokens `drafted` (rows are
         taken in order: row i's guess follows the proposals of rows < i)."""

@@ -40,6 +40,13 @@ FAULT = object()  # what a failed draft or pre-draft returns
 
 
 @dataclass
+class Guessed:
+    """A lookup block's proposals: the context lookup's guesses, verified without a draft pass."""
+
+    tokens: list[int]
+
+
+@dataclass
 class Step:
     tokens: list[int]  # newly emitted tokens (cut at a stop token or the length limit)
     accepted: int | None = None  # drafts accepted this step (None: prefill or autoregressive step)
@@ -185,14 +192,22 @@ def timed_draft(r: Request, job) -> torch.Tensor | None:
     return logits
 
 
-def verify_block(r: Request, anchor: int, logits: torch.Tensor, launch=None):
-    """Verify the drafted block in one target forward (`launch` submits it, for the overlap schedule);
-    crop the rejected tail. Returns (step, verdict, features of the positions now in context)."""
+def verify_block(r: Request, anchor: int, logits, launch=None):
+    """Verify the drafted block (or a lookup block's guesses, `Guessed`) in one target forward (`launch`
+    submits it, for the overlap schedule); crop the rejected tail. Returns (step, verdict, features of the
+    positions now in context)."""
     start = r.target.length
-    drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule, r.lookup)  # row i: position start + 1 + i
-    if r.lookup:
-        r.stats.lookup_drafts = r.lookup.steered
-    if r.gate is not None:
+    if isinstance(logits, Guessed):
+        drafted, q = logits.tokens, None
+        if not r.sampler.params.greedy and r.rule == "rejection":  # a point mass on each guess
+            q = torch.zeros(len(drafted), r.target.config.vocab_size)
+            q[torch.arange(len(drafted)), torch.tensor(drafted)] = 1.0
+        r.stats.lookup_blocks += 1
+    else:
+        drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule, r.lookup)  # row i: position start + 1 + i
+        if r.lookup:
+            r.stats.lookup_drafts = r.lookup.steered
+    if r.gate is not None and not isinstance(logits, Guessed):
         keep = gated(logits, drafted, q, r.gate)
         r.stats.gated_drafts += len(drafted) - keep
         drafted, q = drafted[:keep], (q[:keep] if q is not None else None)
@@ -231,7 +246,9 @@ def speculative(r: Request) -> Iterator[Step]:
         if logits is None:
             continue
         step, verdict, verified = verify_block(r, anchor, logits)
-        anchor, pending = verdict.tokens[-1], [verified]
+        anchor = verdict.tokens[-1]
+        # a draft block took the pending features into the draft's context; a lookup block ran no draft
+        pending = pending + [verified] if isinstance(logits, Guessed) else [verified]
         yield step
     keep_context(r, pending)
 
@@ -245,6 +262,9 @@ def plain_or_drafted(r: Request, anchor: int, pending: list[torch.Tensor], ready
         step, anchor = plain_step(r, anchor, pending)
         yield step
         return None, anchor
+    if getattr(r.policy, "via_lookup", False):
+        r.draft_s = r.context_s = 0.0
+        return Guessed(r.lookup.chain(size - 1)), anchor
     logits = timed_draft(r, partial(next_block, r, pending, anchor, ready, size))
     if logits is None:
         yield from finish_autoregressive(r, anchor)

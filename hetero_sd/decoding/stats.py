@@ -30,6 +30,7 @@ class Stats:
     gated_drafts: int = 0  # drafts left unverified by the confidence gate (not in num_draft_tokens)
     lookup_weight: float = 0.0  # the context lookup's weight in the proposals (0: off; decoding/lookup.py)
     lookup_drafts: int = 0  # drafts where the lookup's guess replaced the draft's own most likely token
+    lookup_blocks: int = 0  # blocks of the lookup's guesses alone, verified without a draft pass (controller)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
