@@ -31,7 +31,8 @@ def pair(tiny_llama, tmp_path_factory):
                          dtype=torch.float32)
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     draft = zm.DFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
-    return load(str(tiny_llama), str(folder), block_size="fixed", draft_dtype="float32"), target, draft  # the reference drafts full blocks
+    # the reference drafts full blocks of the draft's own tokens (lookup=0: no context lookup in the proposals)
+    return load(str(tiny_llama), str(folder), block_size="fixed", draft_dtype="float32", lookup=0), target, draft
 
 
 def test_same_tokens_and_acceptance_lengths(pair):

@@ -37,7 +37,9 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     block = runtime.block_size
     row = PeerRow(NAME, weights=f"float32 via transformers: our HF target folder ({Path(runtime.info['target']).name}) "
                                 f"and draft folder ({folder.name})",
-                  note=f"dflash {package_version()} dflash_generate, greedy, block {block}")
+                  note=f"dflash {package_version()} dflash_generate, greedy, block {block}"
+                       + ("; our run mixes the context lookup into its proposals, so the acceptance differs from theirs "
+                          "(--lookup 0: the draft's tokens alone)" if getattr(runtime, "lookup", 0) else ""))
     with cpu_clock(zm, row):
         generate(zm, draft, target, prompt_ids[0], 4, runtime.stop_ids, block)  # warm-up
         for n, ids in enumerate(prompt_ids):
