@@ -144,7 +144,12 @@ def schedule_row(key: tuple, gens: list, rows: list[dict], base_tps: float, temp
             "mean_verify_s": mean_span(timelines, "verify"), "mean_draft_s": mean_span(timelines, "draft"),
             "fallbacks": sum(s.fallback is not None for s in stats),
             "block_size_histogram": total.block_size_histogram,
-            "tokens_by_mode": {m: sum(s.tokens_by_mode[m] for s in stats) for m in stats[0].tokens_by_mode}
+            "tokens_by_mode": {m: sum(s.tokens_by_mode[m] for s in stats) for m in stats[0].tokens_by_mode},
+            # the context lookup (decoding/lookup.py): its weight, the proposals it changed, and the blocks of its
+            # guesses alone (no draft pass) among the verified blocks
+            "lookup": {"weight": stats[0].lookup_weight, "drafts_changed": sum(s.lookup_drafts for s in stats),
+                       "blocks": sum(s.lookup_blocks for s in stats),
+                       "verified_blocks": sum(s.num_drafts for s in stats)},
             } | controller_row(stats)
 
 

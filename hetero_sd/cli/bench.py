@@ -215,6 +215,10 @@ def print_bench(res: dict) -> None:
         lp = res["loops"]
         Console().print(f"loops (repeats of {lp['ngram']} tokens): {lp['loop_share']:.0%} of the tokens; loop-free part: "
                         f"tau {lp['tau_loop_free']:.2f} (all {lp['tau_all']:.2f}), speedup {lp['speedup_loop_free']:.2f}x")
+    lk = (res.get("schedules") or [{}])[0].get("lookup") or {}
+    if lk.get("weight"):
+        Console().print(f"context lookup (weight {lk['weight']}): it changed {lk['drafts_changed']} proposals; "
+                        f"{lk['blocks']} of the {lk['verified_blocks']} verified blocks were its guesses alone (no draft pass)")
     print_details(res, "schedules (same prompts, same process)")
 
 
