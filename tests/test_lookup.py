@@ -121,6 +121,8 @@ def test_the_controller_takes_a_lookup_block_where_it_is_cheaper_and_as_right():
         policy.observe(8, 7, 7, 1.0)
     # the guesses 1, 2, 3, 4, ... (the cycle goes on): a block of 8 without the draft pass beats the draft's
     assert policy.repeats.last and policy.best_lookup(policy.speeds()) == 8
-    assert policy.choose() >= 2 and policy.via_lookup
+    assert policy.choose() >= 2 and policy.via_lookup and policy.lookup_blocks == 1
+    policy.block_run = policy.PLAIN_CHECK_AFTER + 1  # a plain check falls due: it wins, and is not a lookup block
+    assert policy.choose() == 1 and not policy.via_lookup and policy.lookup_blocks == 1
     policy.repeats.last = False  # no repeat at the anchor: no lookup block
     assert policy.best_lookup(policy.speeds()) == 0

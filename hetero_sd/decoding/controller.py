@@ -364,14 +364,15 @@ class AutoBlock:
             size = self.best_lookup(self.speeds())
             if size:
                 best, self.via_lookup = size, True
-                self.lookup_blocks += 1
         if best != PLAIN:
             self.plain_run = 0
             self.block_run += 1
             if self.plain_check_due():
                 self.block_run, self.checking, self.check_left = 0, [], self.PLAIN_CHECK - 1
                 self.plain_checks += 1
+                self.via_lookup = False
                 return PLAIN
+            self.lookup_blocks += self.via_lookup
             return best
         self.block_run = 0
         if self.probe_due():
