@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
 from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, forget as forget_costs, source_id
 from hetero_sd.decoding.costs import backend_dtype
 from hetero_sd.decoding.lanes import Lane, Lanes
-from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT, ContextLookup
+from hetero_sd.decoding.lookup import CORPUS_FILE, WEIGHT as LOOKUP_WEIGHT, ContextLookup, CorpusTable
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
 from hetero_sd.decoding.stats import Stats
 from hetero_sd.decoding.timeline import Timeline
@@ -167,6 +168,7 @@ class Runtime:
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.verify_gate = verify_gate  # None, or the draft probability below which drafts go unverified
         self.lookup = lookup  # the context lookup's weight in the draft's proposals (0: off)
+        self.corpus = corpus_table(info.get("draft"), self.notes) if draft is not None and lookup else None
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
         self.costs_rechecked = False
@@ -275,7 +277,7 @@ class Runtime:
             stats.notes.append("context lookup: not applied to a DFlash2 draft (its selector chooses the tokens)")
             return None
         stats.lookup_weight = weight
-        return ContextLookup(prompt_ids, weight)
+        return ContextLookup(prompt_ids, weight, corpus=self.corpus)
 
     def in_slot(self, req: decoding.Request, loop, use_draft: bool, draft=None) -> Iterator[decoding.Step]:
         """Run a decoding loop on caches of its own, taken at its first step and given back at its end.
@@ -519,6 +521,17 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
     return rt
+
+
+def corpus_table(draft, notes: list[str]) -> CorpusTable | None:
+    """The context lookup's corpus table beside the draft's weights (hetero-sd draft-lookup), if it has one."""
+    path = Path(str(draft or "")) / CORPUS_FILE
+    if not path.is_file():
+        return None
+    table = CorpusTable.load(path)
+    notes.append(f"context lookup: with the draft's corpus table ({len(table):,} contexts of its training answers, "
+                 f"{CORPUS_FILE})")
+    return table
 
 
 def head_key(info: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetero_sd.decoding.lookup import ContextLookup
+from hetero_sd.decoding.lookup import CORPUS_FILE, ContextLookup, CorpusTable
 
 from .doubles import with_draft
 from .test_lossless import MAX_NEW, PROMPTS, baselines  # noqa: F401 (the fixture)
@@ -126,3 +126,50 @@ def test_the_controller_takes_a_lookup_block_where_it_is_cheaper_and_as_right():
     assert policy.choose() == 1 and not policy.via_lookup and policy.lookup_blocks == 1
     policy.repeats.last = False  # no repeat at the anchor: no lookup block
     assert policy.best_lookup(policy.speeds()) == 0
+
+
+# --- the corpus table (hetero-sd draft-lookup) ------------------------------------------------------------
+
+def test_the_corpus_table_keeps_each_contexts_most_frequent_successor(tmp_path):
+    table = CorpusTable.build([([1, 2], [3, 4, 5, 3, 4, 6, 3, 4, 5]), ([9], [3, 4, 5, 7])])
+    assert table.guess([3, 4]) == (5, 0.75)  # 3 of its 4 successors
+    assert table.guess([9, 3, 4]) == (5, 0.75)  # (9, 3, 4) was seen once: the 2-token context answers
+    assert table.guess([3, 4, 5])[0] == 3  # a tie between 3 and 7: the smaller id
+    assert table.guess([8, 8]) is None
+    table.save(tmp_path / "t.npz")
+    again = CorpusTable.load(tmp_path / "t.npz")
+    assert again.guess([3, 4]) == (5, 0.75) and len(again) == len(table) == 3  # (3, 4), (4, 5), (3, 4, 5)
+
+
+def test_a_corpus_guess_joins_the_context_guess_with_its_frequency():
+    table = CorpusTable.build([([], [7, 8, 9] * 3)])  # (7, 8) -> 9 every time
+    seen = ContextLookup([5, 7, 8], weight=0.4, corpus=table)
+    assert seen.guesses([]) == {9: pytest.approx(0.2)}  # no earlier (7, 8) in the context: the corpus alone
+    seen.extend([9, 7, 8])
+    assert seen.guesses([]) == {9: pytest.approx(0.6)}  # both guess 9: the weights add
+    assert seen.steer(torch.zeros(1, 12), [5]) == [9]
+    assert seen.chain(2) == [9, 7]  # a lookup block takes the context's guesses alone
+
+
+def test_draft_lookup_writes_the_table_beside_the_draft_from_the_training_rows(tiny_llama, tiny_draft, tmp_path,
+                                                                              monkeypatch):
+    import shutil
+
+    import hetero_sd
+    import hetero_sd.train.distill as distill
+    from hetero_sd.cli.main import main
+
+    rows = [{"key": f"k{i}", "index": i, "prompt_ids": [1, 2], "response_ids": [7, 8, 9] * 3} for i in range(5)]
+    rows.append({"key": "held", "index": 5, "prompt_ids": [1], "response_ids": [7, 8, 3] * 9})
+    monkeypatch.setattr(distill, "load_distilled", lambda folder, target: rows)
+    monkeypatch.setattr("hetero_sd.train.trainer.split_held_out",
+                        lambda rs, n, seed: ([r for r in rs if r["key"] == "held"][:n], [r for r in rs if r["key"] != "held"]))
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_draft, draft)
+    assert main(["draft-lookup", "--draft", str(draft), "--target", str(tiny_llama), "--distill", str(tmp_path)]) == 0
+    table = CorpusTable.load(draft / CORPUS_FILE)
+    assert table.guess([7, 8]) == (9, 1.0)  # the held-out row's (7, 8) -> 3 was not counted
+    rt = hetero_sd.load(str(tiny_llama), str(draft))
+    assert rt.corpus is not None and any("corpus table" in n for n in rt.notes)
+    assert main(["draft-lookup", "--draft", str(draft), "--target", str(tiny_llama), "--distill", str(tmp_path),
+                 "--min-count", "0"]) == 2

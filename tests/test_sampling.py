@@ -188,3 +188,22 @@ def test_lookup_blocks_follow_the_target_distribution(pair, rule, monkeypatch):
     p = chi_square_p(samples, exact_joint(pair[0], params, REPEATS))
     assert p > P_MIN, f"samples with lookup blocks do not follow the target distribution (chi-square p = {p:.2e})"
     assert totals["lookup_blocks"] > 0
+
+
+def test_proposals_with_a_corpus_table_follow_the_target_distribution(pair, tmp_path):
+    """The corpus table's guesses join the mixture (decoding/lookup.py): samples still follow the target."""
+    import shutil
+
+    from hetero_sd.decoding.lookup import CORPUS_FILE, CorpusTable
+
+    draft = tmp_path / "draft"
+    shutil.copytree(pair[1], draft)
+    g = torch.Generator().manual_seed(5)
+    CorpusTable.build([([], torch.randint(0, VOCAB, (400,), generator=g).tolist())]).save(draft / CORPUS_FILE)
+    rt = hetero_sd.load(str(pair[0]), str(draft), block_size="fixed")
+    assert rt.corpus is not None
+    params = SamplingParams(1.0)
+    samples, totals = sample_many(rt, params, rule="rejection", lookup=0.4)
+    p = chi_square_p(samples, exact_joint(pair[0], params))
+    assert p > P_MIN, f"samples with the corpus table do not follow the target distribution (chi-square p = {p:.2e})"
+    assert totals["steered"] > 0

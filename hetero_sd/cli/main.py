@@ -125,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from hetero_sd.train.reduce_vocab import add_parser as add_vocab_parser
     add_vocab_parser(sub)
+    from hetero_sd.train.corpus_lookup import add_parser as add_lookup_parser
+    add_lookup_parser(sub)
     from .serve import add_parser as add_serve_parser
     add_serve_parser(sub, add_model_args, add_sampling_args)
 
@@ -313,6 +315,11 @@ def cmd_draft_vocab(args) -> None:
     command(args)
 
 
+def cmd_draft_lookup(args) -> None:
+    from hetero_sd.train.corpus_lookup import command
+    command(args)
+
+
 def cmd_train_draft(args) -> None:
     from hetero_sd.train.command import train_command
     train_args(args)  # numbers, --data and --out, before any target loads
@@ -323,7 +330,8 @@ def cmd_train_draft(args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,
-            "train-draft": cmd_train_draft, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab}
+            "train-draft": cmd_train_draft, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab,
+            "draft-lookup": cmd_draft_lookup}
 
 
 CHECKED = ("generate", "bench", "chat", "serve")  # train-draft checks its own arguments
