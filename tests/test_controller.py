@@ -108,10 +108,29 @@ def test_a_paying_probe_brings_speculation_back():
 
 def test_the_prior_carries_over_between_generations():
     memory = Memory(cpu_like_costs(), 16)
-    first = AutoBlock(16, memory)
-    settle(first, lambda s: 0, steps=40)
-    first.finish()
+    for _ in range(4):
+        earlier = AutoBlock(16, memory)
+        settle(earlier, lambda s: 0, steps=40)
+        earlier.finish()
     assert AutoBlock(16, memory).choose() == PLAIN  # a draft that never helped is not tried first again
+
+
+def test_a_prior_from_one_block_weighs_one_block():
+    """A bench's 8-token warm-up drafts a block or two: one miss there must not keep the next generations
+    plain as if the draft had failed a hundred times (it did: a HumanEval run at 0.98x)."""
+    costs = Costs(decode_s=DECODE, verify_s={2: 1.2 * DECODE, 16: 2.8 * DECODE}, draft_s={2: 0.1 * DECODE, 16: 0.8 * DECODE})
+    memory = Memory(costs, 16)
+    warm_up = AutoBlock(16, memory)
+    warm_up.observe(2, 1, 0, memory.cost.model(2))
+    warm_up.finish()
+    assert 0.3 < memory.prior()[0] < 0.5  # shrunk towards an even chance, not 0
+    assert AutoBlock(16, memory).choose() != PLAIN  # the next generation still tries the draft
+    for _ in range(30):  # many generations of failures: now the prior says so
+        failed = AutoBlock(16, memory)
+        for _ in range(10):
+            failed.observe(2, 1, 0, memory.cost.model(2))
+        failed.finish()
+    assert memory.prior()[0] < 0.1 and AutoBlock(16, memory).choose() == PLAIN
 
 
 # --- the cost cache ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .costs import Costs
 
 PLAIN = 1  # the block size that stands for plain decoding in choices and histograms
+PRIOR_EVIDENCE = 4.0  # steps' worth of an even chance behind the prior's rates (Acceptance.conditional)
 
 
 class FixedBlock:
@@ -183,10 +184,19 @@ class Acceptance:
             out.append(previous)
         return out
 
-    def conditional(self) -> list[float]:
-        """Raw conditional rates where there is evidence (used as the next generations' prior)."""
+    def conditional(self, shrink: float = 0.0) -> list[float]:
+        """Conditional rates where there is evidence (the next generations' prior), each shrunk towards the
+        position before it (1/2 for position 1) by `shrink` steps' worth: a prior drawn from one block must
+        not weigh what one drawn from a hundred does. (A bench's 8-token warm-up drafted one block, which
+        failed: the raw rate 0 at full weight kept a whole HumanEval run plain, 0.98x; 12th session.)"""
         self.settle()
-        return [a / r for a, r in zip(self.accepted, self.reached) if r > 0.5]
+        out, previous = [], 0.5
+        for a, r in zip(self.accepted, self.reached):
+            if r <= 0.5:
+                break
+            previous = (a + shrink * previous) / (r + shrink)
+            out.append(previous)
+        return out
 
 
 class Memory:
@@ -213,7 +223,7 @@ class Memory:
 
     def prior(self) -> list[float]:
         with self.lock:
-            return self.history.conditional()
+            return self.history.conditional(shrink=PRIOR_EVIDENCE)
 
     def absorb(self, acceptance: Acceptance) -> None:
         with self.lock:
