@@ -90,12 +90,15 @@ class CostModel:
 
     def lookup_step(self, size: int) -> float:
         """A lookup block: the verify of `size` tokens without a draft pass."""
-        return self.spec_factor * interpolate(self.costs.verify_s, size)
+        return self.spec_factor * self.verify(size)
+
+    def verify(self, size: int) -> float:
+        return interpolate(self.costs.verify_s, size)
 
     def model(self, size: int) -> float:
         # memoised: the controller asks for every size on the steps where it re-decides
         if size not in self.modelled:
-            self.modelled[size] = interpolate(self.costs.draft_s, size) + interpolate(self.costs.verify_s, size)
+            self.modelled[size] = interpolate(self.costs.draft_s, size) + self.verify(size)
         return self.modelled[size]
 
     def took(self, size: int, seconds: float) -> float:
@@ -106,7 +109,7 @@ class CostModel:
         if not self.learn:
             return
         if lookup:  # its own model: no draft pass
-            self.spec_factor = self.moved(self.spec_factor, seconds / interpolate(self.costs.verify_s, size))
+            self.spec_factor = self.moved(self.spec_factor, seconds / self.verify(size))
             return
         if size == PLAIN:
             self.plain_seen += 1

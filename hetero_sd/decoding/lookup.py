@@ -80,8 +80,10 @@ class CorpusTable:
             ctx_start = np.flatnonzero(np.r_[True, ph[1:] != ph[:-1]])
             total = np.add.reduceat(pair_count, ctx_start)
             # the most frequent successor of each context (the smallest id among equals: argmax takes the first)
-            best = np.array([ctx_start[i] + int(np.argmax(pair_count[ctx_start[i]:ctx_start[i + 1] if i + 1 < len(ctx_start) else len(ph)]))
-                             for i in range(len(ctx_start))], dtype=np.int64)
+            # (pairs are sorted by successor within a context: the first pair at the context's maximum)
+            ctx_of = np.repeat(np.arange(len(ctx_start)), np.diff(np.r_[ctx_start, len(ph)]))
+            at_max = np.flatnonzero(pair_count == np.maximum.reduceat(pair_count, ctx_start)[ctx_of])
+            best = at_max[np.r_[True, ctx_of[at_max][1:] != ctx_of[at_max][:-1]]]
             keep = total >= min_count
             tables[k] = (ph[ctx_start][keep], pn[best][keep].astype(np.int32),
                          (pair_count[best][keep] / total[keep]).astype(np.float16))
@@ -137,7 +139,10 @@ class ContextLookup:
 
     def guess(self, drafted: Sequence[int] = ()) -> int | None:
         """The context's next token after the tokens so far followed by `drafted`, or None."""
-        ctx = (self.tail + list(drafted))[-max(self.orders):]
+        return self.match(self.tail + list(drafted))
+
+    def match(self, ctx: list[int]) -> int | None:
+        """The token that followed the latest earlier occurrence of ctx's last 3 (else 2) tokens, or None."""
         for k in self.orders:
             if len(ctx) >= k:
                 t = self.follow.get(tuple(ctx[-k:]))
@@ -149,11 +154,12 @@ class ContextLookup:
         """Every guess at the next position and its weight in q' (the context's and the corpus table's; one
         token guessed by both gets both weights)."""
         out: dict[int, float] = {}
-        g = self.guess(drafted)
+        ctx = self.tail + list(drafted)
+        g = self.match(ctx)
         if g is not None:
             out[g] = self.weight
         if self.corpus is not None and self.corpus_weight > 0:
-            c = self.corpus.guess((self.tail + list(drafted))[-self.keep:])
+            c = self.corpus.guess(ctx)
             if c is not None:
                 out[c[0]] = out.get(c[0], 0.0) + self.corpus_weight * c[1]
         return out
