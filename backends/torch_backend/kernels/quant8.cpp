@@ -63,7 +63,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
     const uint8_t* blk = w + b * BB;
     // non-temporal: the weights stream through once per forward (96 MB against a 32 MB L3); a T0 prefetch put them
     // in L2 and, evicted, in the L3, pushing out what the next calls read again (the draft's 13 MB, the rows). On the
-    // 2-core Zen 5 (3 alternating rounds each, 28 Nov): decode 0.86-0.97x, verify-8 0.75-0.93x, a block-2 step of the
+    // 2-core Zen 5 (3 alternating rounds each, 27 Nov): decode 0.86-0.97x, verify-8 0.75-0.93x, a block-2 step of the
     // loop 1.30-1.35 plain steps against 1.33-1.47 (benchmarks/results/nta_zen5/). The AVX2 tiles keep T0: forced on the
     // same CPU (HETERO_SD_QUANT_ISA=avx2), NTA there made verify-8 1.01-1.13x slower (decode within noise).
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_NTA);
