@@ -20,8 +20,11 @@ import torch
 from .costs import Costs, cpu_name, measure_costs
 from hetero_sd.home import home
 
-FORMAT = 1
-BLOCKS = (2, 4, 8, 16, 32)
+FORMAT = 2  # 2: sizes 3, 6, 12, 24 measured too, every call timed in interleaved rounds
+# Verify costs are not linear in k between 2 and 4: on the 2-core Zen 5 a verify of 3 took ~3.2 ms in the loop,
+# where a line through 2 and 4 said 3.6, and the controller took blocks of 3 less often than they paid (HumanEval:
+# auto 1.17-1.20x, fixed blocks of 3 1.28-1.37x, 27 Nov)
+BLOCKS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def source_id(folder: Path | str | None, spec: str) -> str:

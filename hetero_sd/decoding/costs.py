@@ -13,6 +13,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -101,6 +102,29 @@ def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict, repeats: int, sync: Callable[[], None]) -> dict:
+    """median_time for several calls at once, taken in rounds (each call once per round): a machine whose
+    speed drifts between seconds (a VM's neighbours) moves every call's time alike, so their ratios, which
+    the controller decides on, stay right. Timed one after another, a slow second made verify-4 read 1.2x
+    and verify-2 1.27 decode steps where quieter probes read 1.1x and 1.04-1.09 (2-core Zen 5, 27 Nov)."""
+    each = {}
+    for name, fn in fns.items():
+        began = time.perf_counter()
+        for _ in range(3):  # warm-up, as median_time
+            fn()
+            sync()
+        each[name] = (time.perf_counter() - began) / 3
+    rounds = min(max(repeats, int(MIN_SECONDS / max(max(each.values(), default=0.0), 1e-6))), 100)
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            began = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 FILL_TOKENS = (504, 2056, 314, 1431, 288, 3012, 30, 216)  # any in-vocabulary ids: only the shapes matter
 
 
@@ -131,18 +155,18 @@ def measure_costs(target: TargetBackend, draft: DraftBackend | None, *, context:
         costs = Costs(decode_s=0.0, verify_s={}, draft_s={}, cpu=cpu_name(), dtype=backend_dtype(target),
                       context=base, threads=torch.get_num_threads())
         vocab = target.config.vocab_size
-        costs.decode_s = median_time(lambda: step(target, base, fill_ids(1, vocab), features=False),
-                                     repeats, target.synchronize)
-        for k in ks:
-            ids = fill_ids(k, vocab)
-            costs.verify_s[k] = median_time(lambda: step(target, base, ids, features=True), repeats, target.synchronize)
+        calls = {("decode", 1): partial(step, target, base, fill_ids(1, vocab), False)}
+        calls |= {("verify", k): partial(step, target, base, fill_ids(k, vocab), True) for k in ks}
+        times = interleaved_medians(calls, repeats, target.synchronize)
+        costs.decode_s = times["decode", 1]
+        costs.verify_s = {k: times["verify", k] for k in ks}
         if draft is not None:
             for b in blocks:
                 if b > draft.block_size:
                     costs.notes.append(f"draft block {b} skipped: the draft's block size is {draft.block_size}")
-                    continue
-                costs.draft_s[b] = median_time(lambda: draft.propose(fill_ids(1, vocab)[0], size=b), repeats,
-                                               draft.synchronize)
+            sizes = [b for b in blocks if b <= draft.block_size]
+            costs.draft_s = interleaved_medians({b: partial(draft.propose, fill_ids(1, vocab)[0], size=b) for b in sizes},
+                                                repeats, draft.synchronize)
     finally:
         target.crop(target_at)
         if draft is not None:
