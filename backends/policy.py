@@ -16,7 +16,8 @@ class LoadPolicy:
     stack: bool = True  # ... walking all the layers of a GGUF-block target (and a CPU draft's block) in one C++ call
     gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (else torch's matmul)
     draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
-    draft_int8_layers: bool = True  # ... and then its own matrices too, as Q8_0 blocks quantized at load
+    draft_int8_layers: bool = True  # ... and then its own matrices too, as GGUF blocks quantized at load:
+    draft_layer_blocks: str = "Q8_0"  # ... of this kind ("Q8_0" or "Q4_1": plan.draft_blocks measures both)
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
     quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)

@@ -513,7 +513,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
-                                code_id(t, d))
+                                code_id(t, d), policy or DEFAULT)
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
                  lane_threads=(policy or DEFAULT).lane_threads, verify_gate=validate.verify_gate(verify_gate),
                  lookup=lookup)

@@ -153,6 +153,9 @@ def test_cost_cache_hits_and_is_invalidated_by_what_it_is_keyed_on(tiny_llama, t
     assert len(calls) == 2  # another thread count is another machine state
     hetero_sd.load(str(tiny_llama), str(tiny_draft), block_size=4)
     assert len(calls) == 2  # a fixed block needs no costs
+    from hetero_sd.backends.policy import LoadPolicy
+    hetero_sd.load(str(tiny_llama), str(tiny_draft), policy=LoadPolicy(draft_layer_blocks="Q4_1"))
+    assert len(calls) == 3  # another load policy (here: the draft's layer blocks) is another key
 
 
 def test_costs_cached_under_load_are_corrected_then_dropped(tiny_llama, tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """A CPU draft whose head multiplies int8 rows by GGUF blocks multiplies its own matrices the same way, as
-Q8_0 blocks quantized at load (backends/torch_backend/plan.py draft_blocks): a draft only proposes, the
+Q8_0 (or, asked for, Q4_1) blocks quantized at load (backends/torch_backend/plan.py draft_blocks): a draft only proposes, the
 target verifies. Its proposals stay those of the float32 draft nearly everywhere, decoding stays lossless,
 and drafts whose logits are compared exactly (no GGUF head: the parity tests' tiny targets) keep float32."""
 
@@ -29,7 +29,11 @@ def test_default_draft_layers_are_int8_blocks_and_propose_what_float32_does(defa
                          policy=policy_from_env({"HETERO_SD_DRAFT_LAYERS": "float"}))
     assert all(int8_matrices(rt)) and not any(int8_matrices(ref))
     assert any(n.startswith("draft layers: 11 matrices as Q8_0 blocks") for n in rt.notes)
-    assert rt.draft.read_bytes() < ref.draft.read_bytes()
+    q4 = hetero_sd.load("default", "cpu-trained", block_size=8, policy=policy_from_env({"HETERO_SD_DRAFT_LAYERS": "q4_1"}))
+    assert any(n.startswith("draft layers: 11 matrices as Q4_1 blocks") for n in q4.notes)
+    assert q4.draft.read_bytes() < rt.draft.read_bytes() < ref.draft.read_bytes()
+    for prompt in ("Write a haiku about the sea.",):  # Q4_1 layers: lossless too
+        assert q4.generate(prompt, max_new_tokens=48).token_ids == q4.generate(prompt, max_new_tokens=48, speculative=False).token_ids
     ids = rt.tokenizer.encode("Explain what a hash table is, and how collisions are handled. " * 3)
     agree = total = 0
     for r in (rt, ref):
@@ -37,7 +41,7 @@ def test_default_draft_layers_are_int8_blocks_and_propose_what_float32_does(defa
     for anchor in ids[-4:]:
         a, b = rt.draft.propose(anchor).argmax(-1), ref.draft.propose(anchor).argmax(-1)
         agree, total = agree + int((a == b).sum()), total + a.numel()
-    assert agree >= 0.8 * total, (agree, total)  # measured 14 of 15 on one block; a wrong layout: ~0
+    assert agree >= 0.8 * total, (agree, total)  # Q8_0 layers: 14 of 15 on one block; a wrong layout: ~0
     for prompt in ("Write a haiku about the sea.", "Write a Python function that reverses a list."):
         assert rt.generate(prompt, max_new_tokens=48).token_ids == \
             rt.generate(prompt, max_new_tokens=48, speculative=False).token_ids

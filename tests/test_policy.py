@@ -30,6 +30,12 @@ def test_the_cli_reads_the_variables_and_names_them():
         policy_from_env({"HETERO_SD_KV": "f32"})
     assert not policy_from_env({"HETERO_SD_KV": "float32"}).kv_f16 and policy_from_env({}).kv_f16
     assert not policy_from_env({"HETERO_SD_STACK": "off"}).stack and policy_from_env({}).stack
+    assert policy_from_env({}).draft_layer_blocks == "Q8_0"
+    for value, int8, kind in (("q4_1", True, "Q4_1"), ("int8", True, "Q8_0"), ("float", False, "Q8_0")):
+        p = policy_from_env({"HETERO_SD_DRAFT_LAYERS": value})
+        assert (p.draft_int8_layers, p.draft_layer_blocks) == (int8, kind)
+    with pytest.raises(ConfigError, match="HETERO_SD_DRAFT_LAYERS='q2'"):
+        policy_from_env({"HETERO_SD_DRAFT_LAYERS": "q2"})
 
 
 def test_no_backend_reads_a_switch_from_the_environment():

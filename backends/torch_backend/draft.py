@@ -161,9 +161,9 @@ def layers_note(draft: DFlashDraft) -> str | None:
     blocks = [m for m in mms if isinstance(m, quant8.Int8Blocks)]
     if not blocks:
         return None
-    return (f"draft layers: {len(blocks)} matrices as Q8_0 blocks quantized at load x int8 rows "
+    return (f"draft layers: {len(blocks)} matrices as {blocks[0].kind} blocks quantized at load x int8 rows "
             f"({sum(m.nbytes for m in blocks) / 1e6:.1f} MB instead of "
-            f"{sum(m.n * m.k * 4 for m in blocks) / 1e6:.1f} MB of float32; HETERO_SD_DRAFT_LAYERS=float opts out)")
+            f"{sum(m.n * m.k * 4 for m in blocks) / 1e6:.1f} MB of float32; HETERO_SD_DRAFT_LAYERS=q4_1 or float for others)")
 
 
 class TorchDraft(CacheOwner, DraftBackend):

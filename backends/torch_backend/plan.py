@@ -130,10 +130,17 @@ class WeightPlan:
             return None
 
     def draft_blocks(self, weight_t: torch.Tensor):
-        """A draft's own matrix [in, out] as Q8_0 blocks quantized at load (gguf's quantizer), times int8 rows,
-        else dense. Only for a draft whose head is already int8 rows x blocks (a draft only proposes; the
-        target verifies every token): at 4-8 rows it reads a quarter of float32's bytes (a block of 4 on the
-        default pair: 2.9 -> 1.9 ms, 2-core EPYC AVX2, another job running); at 16 rows both are compute-bound."""
+        """A draft's own matrix [in, out] as GGUF blocks quantized at load (gguf's quantizer; Q8_0, or Q4_1 where
+        the policy says so), times int8 rows, else dense. Only for a draft whose head is already int8 rows x blocks
+        (a draft only proposes; the target verifies every token). Q8_0 reads a quarter of float32's bytes (a block
+        of 4 on the default pair: 2.9 -> 1.9 ms, 2-core EPYC AVX2, another job running). Q4_1 reads less again, and
+        inside the loop the draft's weights come from memory after every verify: on the 2-core Zen 5 (27 Nov, 3
+        alternating rounds) the default draft read 9.4 MB instead of 12.5, its block in the loop took 0.29-0.31 ms
+        instead of 0.37-0.40 and a block-2 step 1.27-1.28 plain steps instead of 1.37-1.51, at the same held-out
+        position 1 on chat (57.4%, blocks of 2 with the lookup; code 74.8% vs 75.3%). But end to end HumanEval's tau
+        fell from 2.22-2.24 to 2.10 in every round (1.37-1.42x -> 1.35-1.38x; chat 0.99-1.15x -> 1.06-1.15x): the
+        coarser layers lose the long blocks what they save per block, so Q8_0 stays the default
+        (benchmarks/results/draft_q4_zen5/)."""
         if weight_t.shape[0] % 32 or weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             return self.dense(weight_t)
         from gguf import GGMLQuantizationType
@@ -142,8 +149,9 @@ class WeightPlan:
         why = int8_kernel_missing(self.policy, None)
         if why is None:
             try:
-                rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType.Q8_0)
-                return quant8.Int8Blocks(quant.Q8_0, rows, self.dense(weight_t), None,
+                kind = quant.Q4_1 if self.policy.draft_layer_blocks == quant.Q4_1 else quant.Q8_0
+                rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType[kind])
+                return quant8.Int8Blocks(kind, rows, self.dense(weight_t), None,
                                          quant8.isa(self.policy.quant_isa), self.policy.amx_rows)
             except KernelUnavailable as e:
                 why = e.summary

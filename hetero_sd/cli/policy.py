@@ -18,7 +18,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     the layer), HETERO_SD_STACK=off (the fused ops called one by one from Python, not the whole walk in one
     C++ call), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
     multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
-    dtype, not Q8_0 blocks times int8 rows), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
+    dtype, not GGUF blocks times int8 rows; =q4_1: Q4_1 blocks, not the default Q8_0), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
     target's whole head), HETERO_SD_KV=float32 (the int8 target's K/V cache in float32, not float16),
     HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
     on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
@@ -31,6 +31,10 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     if given.get("HETERO_SD_KV", "float16") not in ("float16", "float32"):
         raise ConfigError(f"HETERO_SD_KV={given['HETERO_SD_KV']!r} is not a K/V cache type",
                           "use HETERO_SD_KV=float16 (the default) or HETERO_SD_KV=float32")
+    layers = given.get("HETERO_SD_DRAFT_LAYERS", "q8_0").lower()
+    if layers not in ("q4_1", "q8_0", "int8", "float"):
+        raise ConfigError(f"HETERO_SD_DRAFT_LAYERS={given['HETERO_SD_DRAFT_LAYERS']!r} is not a draft layer format",
+                          "use q8_0 (the default), q4_1 or float")
     amx = given.get("HETERO_SD_AMX_ROWS")
     if amx is not None and not amx.isdigit():
         raise ConfigError(f"HETERO_SD_AMX_ROWS={amx!r} is not a row count", "use a whole number >= 0 (0: never AMX)")
@@ -39,7 +43,8 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       stack=given.get("HETERO_SD_STACK", "on").lower() not in OFF,
                       gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
-                      draft_int8_layers=given.get("HETERO_SD_DRAFT_LAYERS", "int8") != "float",
+                      draft_int8_layers=layers != "float",
+                      draft_layer_blocks="Q4_1" if layers == "q4_1" else "Q8_0",  # ("int8": Q8_0, its name before)
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
                       kv_f16=given.get("HETERO_SD_KV", "float16") != "float32",
                       quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),

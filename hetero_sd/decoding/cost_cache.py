@@ -47,10 +47,14 @@ def code_id(*backends) -> str:
 
 
 def cost_key(target_id: str, draft_id: str, target_device: str, draft_device: str, dtype: str,
-             block_size: int, code: str = "") -> dict:
+             block_size: int, code: str = "", policy=None) -> dict:
+    """policy: the load policy (backends/policy.py), whose choices (the draft's layer blocks, the kernels) change
+    what a step costs under the same models and code."""
+    chosen = {k: v for k, v in vars(policy).items() if k != "origin"} if policy is not None else {}
     return {"format": FORMAT, "target": target_id, "draft": draft_id, "target_device": target_device,
             "draft_device": draft_device, "dtype": dtype, "block_size": block_size,
-            "threads": torch.get_num_threads(), "cpu": cpu_name(), "torch": torch.__version__, "code": code}
+            "threads": torch.get_num_threads(), "cpu": cpu_name(), "torch": torch.__version__, "code": code,
+            "policy": ",".join(f"{k}={v}" for k, v in sorted(chosen.items()))}
 
 
 def cost_path(key: dict) -> Path:
