@@ -9,7 +9,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -525,10 +524,9 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
 
 def corpus_table(draft, notes: list[str]) -> CorpusTable | None:
     """The context lookup's corpus table beside the draft's weights (hetero-sd draft-lookup), if it has one."""
-    path = Path(str(draft or "")) / CORPUS_FILE
-    if not path.is_file():
+    table = CorpusTable.beside(draft)
+    if table is None:
         return None
-    table = CorpusTable.load(path)
     notes.append(f"context lookup: with the draft's corpus table ({len(table):,} contexts of its training answers, "
                  f"{CORPUS_FILE})")
     return table

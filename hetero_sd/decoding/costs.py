@@ -86,31 +86,17 @@ def cpu_name() -> str:
 MIN_SECONDS = 0.25  # per measured call: a 7 ms step timed 5 times was at the mercy of one stall of the VM
 
 
-def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    """The median of at least `repeats` timed calls and at least MIN_SECONDS of them, after warm-up."""
-    began = time.perf_counter()
-    for _ in range(3):  # warm-up: caches, lazily built tables, allocator, the thread pool waking up
-        fn()
-        sync()
-    each = (time.perf_counter() - began) / 3
-    times = []
-    for _ in range(min(max(repeats, int(MIN_SECONDS / max(each, 1e-6))), 100)):
-        began = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def interleaved_medians(fns: dict, repeats: int, sync: Callable[[], None]) -> dict:
-    """median_time for several calls at once, taken in rounds (each call once per round): a machine whose
+    """The median seconds of each call, of at least `repeats` timed calls and at least MIN_SECONDS of the slowest,
+    after 3 untimed warm-up calls (caches, lazily built tables, the allocator, the thread pool waking up); taken
+    in rounds, each call once per round: a machine whose
     speed drifts between seconds (a VM's neighbours) moves every call's time alike, so their ratios, which
     the controller decides on, stay right. Timed one after another, a slow second made verify-4 read 1.2x
     and verify-2 1.27 decode steps where quieter probes read 1.1x and 1.04-1.09 (2-core Zen 5, 27 Nov)."""
     each = {}
     for name, fn in fns.items():
         began = time.perf_counter()
-        for _ in range(3):  # warm-up, as median_time
+        for _ in range(3):  # warm-up
             fn()
             sync()
         each[name] = (time.perf_counter() - began) / 3

@@ -20,6 +20,7 @@ on chat (53.3% without), block 8 tau 2.12 (1.98)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +50,13 @@ class CorpusTable:
 
     def __init__(self, tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]):
         self.tables = tables  # order -> (sorted keys uint64, successor int32, frequency float16)
+        self.orders = sorted(tables, reverse=True)  # the longest context first (guess runs per proposed token)
+
+    @classmethod
+    def beside(cls, folder) -> "CorpusTable | None":
+        """The table in a draft's folder (hetero-sd draft-lookup writes it there), or None."""
+        path = Path(str(folder or "")) / CORPUS_FILE
+        return cls.load(path) if path.is_file() else None
 
     @classmethod
     def build(cls, sequences, orders: Sequence[int] = CORPUS_ORDERS, min_count: int = 2) -> "CorpusTable":
@@ -79,8 +87,8 @@ class CorpusTable:
             ph, pn = h[pair_start], n[pair_start]
             ctx_start = np.flatnonzero(np.r_[True, ph[1:] != ph[:-1]])
             total = np.add.reduceat(pair_count, ctx_start)
-            # the most frequent successor of each context (the smallest id among equals: argmax takes the first)
-            # (pairs are sorted by successor within a context: the first pair at the context's maximum)
+            # the most frequent successor of each context, the smallest id among equals (pairs are sorted by
+            # successor within a context: the first pair at the context's maximum count)
             ctx_of = np.repeat(np.arange(len(ctx_start)), np.diff(np.r_[ctx_start, len(ph)]))
             at_max = np.flatnonzero(pair_count == np.maximum.reduceat(pair_count, ctx_start)[ctx_of])
             best = at_max[np.r_[True, ctx_of[at_max][1:] != ctx_of[at_max][:-1]]]
@@ -104,7 +112,7 @@ class CorpusTable:
 
     def guess(self, ctx: Sequence[int]) -> tuple[int, float] | None:
         """(successor, its frequency) for the longest of the context's last 4, 3, 2 tokens the table has."""
-        for k in sorted(self.tables, reverse=True):
+        for k in self.orders:
             if len(ctx) < k:
                 continue
             keys, nxt, freq = self.tables[k]

@@ -45,7 +45,7 @@ def command(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--held-out {args.held_out} / --min-count {args.min_count}", "give --held-out >= 0 and --min-count >= 1")
     out = Path(args.out) if args.out else draft_folder(args.draft)
     if not (out / "config.json").is_file():
-        raise ConfigError(f"--out {out}: not a draft folder (no config.json)", "give the draft's folder")
+        raise ConfigError(f"{out}: not a draft folder (no config.json)", "give --out the draft's folder")
     began = time.process_time()
     table, report = build([Path(d) for d in args.distill or [DEFAULT_DISTILL]], args.target, args.held_out, args.min_count)
     table.save(out / CORPUS_FILE)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hetero_sd.backends.torch_backend import load_draft
-from hetero_sd.decoding.lookup import CORPUS_FILE, ContextLookup, CorpusTable
+from hetero_sd.decoding.lookup import ContextLookup, CorpusTable
 from hetero_sd.decoding.sampling import argmax_rows
 from hetero_sd.models.config import DraftConfig
 
@@ -99,7 +99,7 @@ def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: 
     block = block or cfg.block_size
     cfg.block_size = max(block, cfg.block_size)
     draft = load_draft(Path(folder), cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
-    corpus = CorpusTable.load(Path(folder) / CORPUS_FILE) if lookup and (Path(folder) / CORPUS_FILE).is_file() else None
+    corpus = CorpusTable.beside(folder) if lookup else None
     per_row = []
     for r in rows:
         ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
