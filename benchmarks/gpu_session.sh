@@ -5,7 +5,7 @@
 # the machine must stay warm between the two calls (30 s).
 #   here:   PY=.venv/bin/python bash benchmarks/gpu_session.sh pack  # .lease/a (GGUF part 1, gguf wheel), .lease/b (part 2, init draft, rows)
 #   call 1: bash benchmarks/gpu_session.sh stash        # carry .lease/a (~60 MB): part 1 into /tmp, nvidia-smi (~40 s with the start)
-#   call 2, AT ONCE: MINUTES=8 TRAIN_S=560 bash benchmarks/gpu_session.sh train   # carry .lease/b; timeout_s 590
+#   call 2, AT ONCE: LAYERS="4 2" MINUTES=8 TRAIN_S=560 bash benchmarks/gpu_session.sh train   # carry .lease/b; timeout_s 590
 #           (PACK sequences per forward and ACCUMULATE per step: 8 and 8; LR 2.5e-4; LAYERS 4 grown from the init draft)
 #   call 3, if >= ~2 minutes are left: TEST_S=100 bash benchmarks/gpu_session.sh tests   # tests/test_cuda.py
 # Training comes first (the guide's order for a lent GPU); call 1 only stages what does not fit call 2.
@@ -63,16 +63,25 @@ train)
     setup .lease/b
     stage train: rows
     xz -dc .lease/b/rows.npz.xz > $LEASE/rows.npz && "$PY" benchmarks/lease_rows.py unpack $LEASE/rows.npz $LEASE/rows.jsonl || exit 1
-    RUN=$LEASE/run
-    stage train: train-draft
-    HETERO_SD_HOME=$LEASE/home timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
-        --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "${LAYERS:-4}" --block-size 8 --gamma 2 --short-blocks 0.5 \
-        --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-2.5e-4}" --accumulate "${ACCUMULATE:-8}" --pack "${PACK:-8}" --vocab-frequent 8192 \
-        --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" | tee "$OUT/train.log"
-    stage train: copy back
-    cp $RUN/config.json $RUN/training.json $RUN/log.jsonl "$OUT/" 2>/dev/null
-    [ -f $RUN/model.safetensors ] && split -b 15000000 -d $RUN/model.safetensors "$OUT/model.safetensors.part-"
-    tail -3 $RUN/log.jsonl
+    # one run per draft depth in LAYERS (e.g. "4 2"), side by side on the one GPU (these small drafts leave it
+    # mostly idle between launches): each its own folder and home, each back as model parts and one tarball
+    for L in ${LAYERS:-4}; do
+        RUN=$LEASE/run$L
+        stage train: train-draft, $L layers
+        ( HETERO_SD_HOME=$LEASE/home$L timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
+            --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "$L" --block-size 8 --gamma 2 --short-blocks 0.5 \
+            --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-2.5e-4}" --accumulate "${ACCUMULATE:-8}" --pack "${PACK:-8}" --vocab-frequent 8192 \
+            --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" > $LEASE/train$L.log ) &
+    done
+    wait
+    for L in ${LAYERS:-4}; do
+        RUN=$LEASE/run$L
+        stage train: copy back, $L layers
+        mkdir -p $RUN && cp $LEASE/train$L.log $RUN/train.log
+        tar -czf "$OUT/run$L.tgz" -C $RUN train.log $(cd $RUN && ls config.json training.json log.jsonl 2>/dev/null)
+        [ -f $RUN/model.safetensors ] && split -b 15000000 -d $RUN/model.safetensors "$OUT/run$L.model.safetensors.part-"
+        tail -2 $RUN/log.jsonl; tail -3 $LEASE/train$L.log
+    done
     ;;
 *) echo "usage: gpu_session.sh pack|tests|train" >&2; exit 2 ;;
 esac
