@@ -61,6 +61,7 @@ def target_dtype_note(dtype: torch.dtype, device: str = "cpu") -> str:
     """A reduced-precision target is a different target; say what it costs and what it breaks. On an
     accelerator it is the default (bf16), and its GEMMs, like the CPU's, pick their reduction order by the
     number of rows: a verify of k rows and a one-row decode step can round a near-tie apart."""
+    device = torch.device(device).type  # "cuda:0" as the placement names it: the note speaks of the kind
     kernels = "CPU kernels" if device == "cpu" else f"{device} GEMMs"
     note = (f"{dtype_name(dtype)} target: a different model than the float32 one (outside the parity tests' "
             f"1e-4); its {kernels} are not batch-invariant, so DFlash can emit tokens that differ from "

@@ -107,4 +107,5 @@ def test_a_reduced_precision_accelerator_target_says_that_token_identity_needs_f
     from hetero_sd.backends.placement import target_dtype_note
     gpu = target_dtype_note(torch.bfloat16, "cuda")
     assert "cuda GEMMs are not batch-invariant" in gpu and "--dtype float32" in gpu
+    assert target_dtype_note(torch.bfloat16, "cuda:0") == gpu  # the placement's own name for the device
     assert "CPU kernels are not batch-invariant" in target_dtype_note(torch.bfloat16, "cpu")
