@@ -45,7 +45,10 @@ def project(points: list[dict], min_blocks: int) -> dict:
         a, b, r2 = fit(xs, ys)
         row = {"source": source, "measure": measure, "goal": goal, "now": ys[-1],
                "gain_per_doubling": round(b * math.log(2), 4), "r2": round(r2, 4)}
-        if ys[-1] >= goal:
+        block = last.get("block_size")
+        if measure == "tau" and block and goal > block:  # a block of B gives at most B tokens a step
+            row["verdict"] = f"out of scale: tau at blocks of {block} is at most {block} (project the block-8 curve)"
+        elif ys[-1] >= goal:
             row["verdict"] = "met"
         elif b <= 0:
             row["verdict"] = "not rising: more of the same training does not reach it"
