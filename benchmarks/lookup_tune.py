@@ -27,6 +27,7 @@ from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import DraftConfig, read_json  # noqa: E402
 from hetero_sd.train.command import init_folder  # noqa: E402
 from hetero_sd.train.distill import load_distilled  # noqa: E402
+from hetero_sd.train.evaluate import anchor_blocks  # noqa: E402
 from hetero_sd.train.trainer import FeatureCache, split_held_out  # noqa: E402
 
 ORDER_SETS = {"3>2": (3, 2), "2": (2,), "3": (3,), "4>3>2": (4, 3, 2), "3>2>1": (3, 2, 1)}
@@ -38,25 +39,18 @@ def anchors(folder: Path, features, rows: list[dict], max_tokens: int) -> list[d
     cfg = DraftConfig.from_folder(folder)
     draft = load_draft(folder, cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
     out = []
-    for r in rows:
-        ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
-        feats = features(r["index"], ids, r.get("key"))
-        draft.crop(0)
-        for a in range(p, min(len(ids), p + max_tokens) - 1):
-            if draft.context_length < a:
-                draft.add_context(feats[draft.context_length:a])
-            logits = draft.propose(ids[a], size=2)
-            row = getattr(logits, "logits", logits)[0].float().numpy()
-            top = int(row.argmax())
-            rec = {"source": r.get("source", "all"), "want": ids[a + 1], "top": top, "guess": {}}
-            for name, orders in ORDER_SETS.items():
-                g = ContextLookup(ids[:a + 1], orders=orders).guess()
-                if g is not None and g != top:
-                    z = float(np.exp(row - row[top]).sum())
-                    rec["guess"][name] = [g, (1.0 - float(np.exp(row[g] - row[top]))) / z]
-                elif g is not None:
-                    rec["guess"][name] = [g, 0.0]
-            out.append(rec)
+    for r, ids, a, logits in anchor_blocks(draft, features, rows, max_tokens, 2):
+        row = logits[0].float().numpy()
+        top = int(row.argmax())
+        rec = {"source": r.get("source", "all"), "want": ids[a + 1], "top": top, "guess": {}}
+        for name, orders in ORDER_SETS.items():
+            g = ContextLookup(ids[:a + 1], orders=orders).guess()
+            if g is not None and g != top:
+                z = float(np.exp(row - row[top]).sum())
+                rec["guess"][name] = [g, (1.0 - float(np.exp(row[g] - row[top]))) / z]
+            elif g is not None:
+                rec["guess"][name] = [g, 0.0]
+        out.append(rec)
     return out
 
 

@@ -43,13 +43,13 @@ from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import DraftConfig, read_json  # noqa: E402
 from hetero_sd.train.command import init_folder  # noqa: E402
 from hetero_sd.train.distill import load_distilled  # noqa: E402
+from hetero_sd.train.evaluate import anchor_blocks  # noqa: E402
 from hetero_sd.train.trainer import FeatureCache, split_held_out  # noqa: E402
 
 CAP = 16  # ranks at or past this are misses (a tree never holds such a node)
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15)  # up to a verify of 16 rows, the largest the probe times
 
 
-@torch.no_grad()
 def anchor_ranks(folder: Path, features, rows: list[dict], block: int, max_tokens: int) -> list[dict]:
     """Per anchor of every row (the first max_tokens answer tokens): the ranks of the answer's next block - 1
     tokens in the draft's logits at those positions (CAP: past the cap or outside a reduced head)."""
@@ -57,19 +57,11 @@ def anchor_ranks(folder: Path, features, rows: list[dict], block: int, max_token
     cfg.block_size = max(block, cfg.block_size)
     draft = load_draft(folder, cfg, features.target, "cpu", torch.float32, cfg.mask_token_id)
     out = []
-    for r in rows:
-        ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
-        feats = features(r["index"], ids, r.get("key"))
-        draft.crop(0)
-        end = min(len(ids), p + max_tokens)
-        for a in range(p, end - 1):
-            if draft.context_length < a:
-                draft.add_context(feats[draft.context_length:a])
-            logits = draft.propose(ids[a], size=block)
-            logits = getattr(logits, "logits", logits)
-            want = ids[a + 1:min(a + block, end)]
-            ranks = [min(int((logits[i] > logits[i, t]).sum()), CAP) for i, t in enumerate(want)]
-            out.append({"source": r.get("source", "all"), "row": r["index"], "ranks": ranks})
+    for r, ids, a, logits in anchor_blocks(draft, features, rows, max_tokens, block):
+        end = min(len(ids), len(r["prompt_ids"]) + max_tokens)
+        want = ids[a + 1:min(a + block, end)]
+        ranks = [min(int((logits[i] > logits[i, t]).sum()), CAP) for i, t in enumerate(want)]
+        out.append({"source": r.get("source", "all"), "row": r["index"], "ranks": ranks})
     return out
 
 

@@ -88,6 +88,22 @@ def ngram_tau(table: NGramDraft, rows: list[dict], block: int, max_tokens: int) 
 
 
 @torch.no_grad()
+def anchor_blocks(draft, features, rows: list[dict], max_tokens: int, size: int):
+    """Every anchor of each row's first `max_tokens` answer tokens with the draft's block there (the draft fed
+    the row's context features up to the anchor): yields (row, its ids, the anchor's index, the block's logits).
+    For probes that read the draft's distributions at every position, not along a replay."""
+    for r in rows:
+        ids, p = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
+        feats = features(r["index"], ids, r.get("key"))
+        draft.crop(0)
+        for a in range(p, min(len(ids), p + max_tokens) - 1):
+            if draft.context_length < a:
+                draft.add_context(feats[draft.context_length:a])
+            logits = draft.propose(ids[a], size=size)
+            yield r, ids, a, getattr(logits, "logits", logits)
+
+
+@torch.no_grad()
 def draft_tau(folder: Path, features, rows: list[dict], max_tokens: int, block: int | None = None,
               lookup: float = 0.0) -> dict:
     """Simulated decoding with the draft in `folder` as the runtime loads it, at its own block size or
