@@ -66,7 +66,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
     // 2-core Zen 5 (3 alternating rounds each, 27 Nov): decode 0.86-0.97x, verify-8 0.75-0.93x, a block-2 step of the
     // loop 1.30-1.35 plain steps against 1.33-1.47 (benchmarks/results/nta_zen5/). The AVX2 tiles keep T0: forced on the
     // same CPU (HETERO_SD_QUANT_ISA=avx2), NTA there made verify-8 1.01-1.13x slower (decode within noise).
-    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 12 * BB + l), _MM_HINT_NTA);
+    // 24 blocks ahead (7.7 KB of Q4_1), not 12: a non-temporal line waits in an L1 miss buffer, so how far ahead
+    // the stream is requested bounds how fast one core reads it; in the VM's minutes with a fast bus (the probe
+    // reading 63-78 GB/s) 24 beat 12 in 30 of 30 alternating rounds for verify-8 (0.973x) and 24 of 30 for decode
+    // (0.974x), within noise at 45 GB/s; 16, 32 and 48 no better than 24 (benchmarks/results/prefetch_distance_zen5/).
+    for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 24 * BB + l), _MM_HINT_NTA);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
