@@ -56,5 +56,23 @@ d = json.load(open(path))
 d["source_draft"] = run  # the training run, not the /tmp snapshot
 json.dump(d, open(path, "w"), indent=1)
 EOF
+  # the load note's figures (hetero_sd/loading/loader.py, cpu_trained_note): the installed draft as the runtime
+  # loads it (its reduced head), simulated decoding at blocks of 2 without and with the lookup
+  "$PY" benchmarks/eval_heldout.py --draft "$SHIPPED" --block-size 2 --json "$OUT/heldout_block2_${TAG}_shipped.json" \
+      ${FEATURES:+--feature-cache "$FEATURES"} > /dev/null
+  "$PY" benchmarks/eval_heldout.py --draft "$SHIPPED" --block-size 2 --lookup 0.4 --json "$OUT/heldout_block2_${TAG}_shipped_lookup.json" \
+      ${FEATURES:+--feature-cache "$FEATURES"} > /dev/null
+  "$PY" - "$SHIPPED" "$OUT/heldout_block2_${TAG}_shipped.json" "$OUT/heldout_block2_${TAG}_shipped_lookup.json" <<'EOF'
+import json, sys, time
+folder, plain, lookup = sys.argv[1], *(json.load(open(p)) for p in sys.argv[2:])
+key = next(k for k in plain if isinstance(plain[k], dict) and "sharegpt" in plain[k] and k != "ngram_floor")
+right = lambda d: {"chat": d[key]["sharegpt"]["position_1_right"], "code": d[key]["stdlib"]["position_1_right"]}
+json.dump({"what": "simulated greedy decoding on the 256 held-out rows (benchmarks/eval_heldout.py), this draft as the runtime loads it",
+           "measured": time.strftime("%Y-%m-%d"), "block_size": 2, "position_1_right": right(plain),
+           "position_1_right_with_lookup": {**right(lookup), "lookup": 0.4},
+           "ngram_floor": {"chat": plain["ngram_floor"]["sharegpt"]["position_1_right"],
+                           "code": plain["ngram_floor"]["stdlib"]["position_1_right"]}},
+          open(f"{folder}/held_out.json", "w"), indent=1)
+EOF
   echo "installed into $SHIPPED: run the tests that read it (test_default_draft, test_draft_int8, test_quant8, test_draft_vocab, test_lossless, test_short_blocks)"
 fi

@@ -33,7 +33,9 @@ def test_shipped_draft_loads_and_says_what_it_is(runtime):
     name, rt = runtime
     assert rt.draft is not None and rt.info["draft"].endswith(SHIPPED_DRAFTS[name])
     if name == "cpu-trained":
-        assert any("held-out tau" in n for n in rt.notes)
+        # the note gives the shipped held_out.json's figures (simulated decoding), not a teacher-forced tau
+        note = next(n for n in rt.notes if n.startswith("draft 'cpu-trained'"))
+        assert "first guess is right" in note and "% of the time on chat" in note
     else:
         assert rt.notes == []
 
