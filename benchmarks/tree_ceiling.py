@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import hetero_sd  # noqa: E402
 from hetero_sd.backends.torch_backend import load_draft  # noqa: E402
 from hetero_sd.bench.runner import machine  # noqa: E402
+from hetero_sd.decoding.controller import interpolate  # noqa: E402
 from hetero_sd.decoding.costs import measure_costs  # noqa: E402
 from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import DraftConfig, read_json  # noqa: E402
@@ -98,14 +99,8 @@ def tau(anchors: list[dict], tree: set) -> float:
 
 
 def verify_steps(costs, rows: int) -> float:
-    """A verify of `rows` rows in decode steps, linear between the probed sizes."""
-    ks = sorted(costs.verify_s)
-    below = max([k for k in ks if k <= rows], default=ks[0])
-    above = min([k for k in ks if k >= rows], default=ks[-1])
-    if below == above:
-        return costs.verify_s[below] / costs.decode_s
-    w = (rows - below) / (above - below)
-    return ((1 - w) * costs.verify_s[below] + w * costs.verify_s[above]) / costs.decode_s
+    """A verify of `rows` rows in decode steps, linear between the probed sizes (the controller's own cost model)."""
+    return interpolate(costs.verify_s, rows) / costs.decode_s
 
 
 def main() -> None:
