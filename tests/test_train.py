@@ -66,6 +66,8 @@ def test_packed_training_learns_and_the_device_is_checked(tmp_path, tiny_llama):
     last = train(tiny_llama, rows, tmp_path / "d", small_config(steps=200, lr=1e-2, eval_every=100, pack=2,
                                                                  autocast="bf16"))["history"][-1]
     assert last["held_out_tau"] > first["held_out_tau"] + 0.7, (first, last)
+    with pytest.raises(ConfigError, match="--pack 4 with --accumulate 2"):
+        train(tiny_llama, rows, tmp_path / "e", small_config(steps=1, pack=4))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no cuda device"):
             train(tiny_llama, rows, tmp_path / "e", small_config(steps=1, device="cuda"))

@@ -458,6 +458,10 @@ def held_out_tau(model: TrainingDraft, rows, features, split: SplitForward | Non
 
 def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *, resume: bool = False,
           progress=None) -> dict:
+    if cfg.pack > cfg.accumulate:  # a forward packs at most a step's sequences: a lease once ran 2 a step this way
+        raise ConfigError(f"--pack {cfg.pack} with --accumulate {cfg.accumulate}: a step has {cfg.accumulate} "
+                          f"sequences, so no forward can pack {cfg.pack}",
+                          f"raise --accumulate to a multiple of --pack (e.g. --accumulate {2 * cfg.pack}) or lower --pack")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tcfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
