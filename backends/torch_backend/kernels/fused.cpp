@@ -489,6 +489,20 @@ __attribute__((target("avx512f"))) static void finish16(const float* acc, float 
     _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_loadu_ps(acc + D + d)), _mm512_set1_ps(inv)));
 }
 
+// The K and V a work item reads first come from memory (a layer's K/V, ~390 KB at 512 tokens, is not in the
+// caches after the products have streamed their weights), and the hardware's prefetcher runs only a few lines
+// ahead of the scores' four tile streams: the first pass over the tiles waits on memory while its fmas idle.
+// So that pass requests, per step of its loop over d, the lines of the next tiles and an equal share of V's:
+// K then stays one tile group ahead, and all of V is in the L2 by the time the weights' stage reads it. Only
+// requests: no value changes.
+struct Ahead {
+  const char *k, *kend, *v, *vend;
+  __attribute__((always_inline)) inline void step(int lines) {
+    for (int i = 0; i < lines && k < kend; ++i, k += 64) _mm_prefetch(k, _MM_HINT_T0);
+    for (int i = 0; i < lines && v < vend; ++i, v += 64) _mm_prefetch(v, _MM_HINT_T1);
+  }
+};
+
 // ---- scores over a K cache tiled by 16 keys (rope_qkv with tiled=true: key j's d-th value at
 // (j/16)*16*D + d*16 + j%16). A tile's 16 scores for one row are then the 16 lanes of one chain of D fmas over
 // d in order: no transposing tree, and a tile loaded (and converted) once serves a group of rows from
@@ -497,13 +511,14 @@ __attribute__((target("avx512f"))) static void finish16(const float* acc, float 
 // RG rows x TB tiles from tile t; lanes at keys >= n[r] are stored but kept out of the row's maximum (the
 // weights stages zero them).
 template <int D, int RG, int TB, typename KV>
-__attribute__((target("avx512f"))) static void tiles16(const float* const* q, const KV* kt, int64_t t, float scale,
+__attribute__((target("avx512f"))) static void tiles16(const float* const* q, const KV* kt, int64_t t, float scale, Ahead* ahead,
                                                        const int64_t* n, float* const* s, float* const* mx) {
   __m512 acc[RG][TB];
   for (int r = 0; r < RG; ++r)
     for (int b = 0; b < TB; ++b) acc[r][b] = _mm512_setzero_ps();
   const KV* base = kt + t * 16 * D;
   for (int d = 0; d < D; ++d) {
+    if (ahead) ahead->step(TB * 16 * (int)sizeof(KV) / 64);  // a tile group's lines over its D steps
     __m512 kv[TB];
     for (int b = 0; b < TB; ++b) kv[b] = load16(base + b * 16 * D + d * 16);
     for (int r = 0; r < RG; ++r) {
@@ -526,13 +541,14 @@ __attribute__((target("avx512f"))) static void tiles16(const float* const* q, co
 
 // the same chains 8 lanes at a time (a tile is two vectors), fewer rows and tiles at once: 16 registers
 template <int D, int RG, int TB, typename KV>
-__attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* q, const KV* kt, int64_t t, float scale,
+__attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* q, const KV* kt, int64_t t, float scale, Ahead* ahead,
                                                            const int64_t* n, float* const* s, float* const* mx) {
   __m256 acc[RG][2 * TB];
   for (int r = 0; r < RG; ++r)
     for (int b = 0; b < 2 * TB; ++b) acc[r][b] = _mm256_setzero_ps();
   const KV* base = kt + t * 16 * D;
   for (int d = 0; d < D; ++d) {
+    if (ahead) ahead->step(TB * 16 * (int)sizeof(KV) / 64);
     __m256 kv[2 * TB];
     for (int b = 0; b < 2 * TB; ++b) kv[b] = load8(base + (b / 2) * 16 * D + d * 16 + (b % 2) * 8);
     for (int r = 0; r < RG; ++r) {
@@ -556,32 +572,38 @@ __attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* 
 
 template <int D, bool W, int RG, typename KV>
 static void tiles_rows(const float* const* q, const KV* kt, int64_t tiles, float scale, const int64_t* n,
-                       float* const* s, float* const* mx) {
+                       float* const* s, float* const* mx, Ahead* ahead) {
   // tiles at once: enough independent fma chains to cover the fma latency (a lone row would otherwise wait
   // on 4 chains of D dependent fmas), within the registers (16 on AVX2)
   constexpr int TB = W ? (RG == 1 ? 8 : 4) : (RG == 1 ? 4 : 2);
   int64_t t = 0;
-  for (; t + TB <= tiles; t += TB) (W ? tiles16<D, RG, TB, KV> : tiles8<D, RG, TB, KV>)(q, kt, t, scale, n, s, mx);
-  for (; t < tiles; ++t) (W ? tiles16<D, RG, 1, KV> : tiles8<D, RG, 1, KV>)(q, kt, t, scale, n, s, mx);
+  for (; t + TB <= tiles; t += TB) (W ? tiles16<D, RG, TB, KV> : tiles8<D, RG, TB, KV>)(q, kt, t, scale, ahead, n, s, mx);
+  for (; t < tiles; ++t) (W ? tiles16<D, RG, 1, KV> : tiles8<D, RG, 1, KV>)(q, kt, t, scale, ahead, n, s, mx);
 }
 
 // every row's scores and maxima over a tiled K, rows in groups of up to 4 (AVX-512) or 2
 template <int D, bool W, typename KV>
-static void scores_tiled(const float* const* q, const KV* kt, const int64_t* n, int R, float scale, float* s,
+static void scores_tiled(const float* const* q, const KV* kt, const KV* vt, const int64_t* n, int R, float scale, float* s,
                          int64_t ss, float* mx) {
   constexpr int RGMAX = W ? 4 : 2;
   float* sr[RGMAX];
   float* mr[RGMAX];
+  int64_t all = 0;
+  for (int r = 0; r < R; ++r) all = std::max(all, n[r]);
+  // the first group's pass requests K 4 tiles ahead of its loads, and every row's V (see Ahead)
+  Ahead ahead{(const char*)(kt + 4 * 16 * D), (const char*)(kt + (all + 15) / 16 * 16 * D), (const char*)vt,
+              (const char*)(vt + all * D)};
   for (int r0 = 0; r0 < R; r0 += RGMAX) {
     const int rg = std::min(RGMAX, R - r0);
+    Ahead* first = r0 == 0 ? &ahead : nullptr;
     int64_t most = 0;
     for (int r = 0; r < rg; ++r) { most = std::max(most, n[r0 + r]); sr[r] = s + (r0 + r) * ss; mr[r] = mx + 16 * (r0 + r); }
     const int64_t tiles = (most + 15) / 16;
     switch (rg) {
-      case 1: tiles_rows<D, W, 1, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
-      case 2: tiles_rows<D, W, 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
-      case 3: tiles_rows<D, W, W ? 3 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
-      default: tiles_rows<D, W, W ? 4 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr); break;
+      case 1: tiles_rows<D, W, 1, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr, first); break;
+      case 2: tiles_rows<D, W, 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr, first); break;
+      case 3: tiles_rows<D, W, W ? 3 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr, first); break;
+      default: tiles_rows<D, W, W ? 4 : 2, KV>(q + r0, kt, tiles, scale, n + r0, sr, mr, first); break;
     }
   }
 }
@@ -605,7 +627,7 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
   std::fill(mx, mx + 16 * R, -INFINITY);
   std::fill(acc, acc + 2 * D * R, 0.0f);
   if (TILED)
-    scores_tiled<D, W, KV>(q, kc, n, R, scale, s, ss, mx);
+    scores_tiled<D, W, KV>(q, kc, vc, n, R, scale, s, ss, mx);
   else
     for (int64_t c = 0; c < most; c += CH)
       for (int r = 0; r < R; ++r)
