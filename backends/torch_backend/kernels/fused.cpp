@@ -590,12 +590,12 @@ static void scores_tiled(const float* const* q, const KV* kt, const KV* vt, cons
   float* mr[RGMAX];
   int64_t all = 0;
   for (int r = 0; r < R; ++r) all = std::max(all, n[r]);
-  // the first group's pass requests K 4 tiles ahead of its loads, and every row's V (see Ahead)
-  Ahead ahead{(const char*)(kt + 4 * 16 * D), (const char*)(kt + (all + 15) / 16 * 16 * D), (const char*)vt,
+  // the first group's pass requests K 8 tiles ahead of its loads, and every row's V (see Ahead)
+  Ahead ahead{(const char*)(kt + 8 * 16 * D), (const char*)(kt + (all + 15) / 16 * 16 * D), (const char*)vt,
               (const char*)(vt + all * D)};
   for (int r0 = 0; r0 < R; r0 += RGMAX) {
     const int rg = std::min(RGMAX, R - r0);
-    Ahead* first = r0 == 0 ? &ahead : nullptr;
+    Ahead* first = r0 == 0 && R > 1 ? &ahead : nullptr;  // (a decode row's one pass: its own stream, left alone)
     int64_t most = 0;
     for (int r = 0; r < rg; ++r) { most = std::max(most, n[r0 + r]); sr[r] = s + (r0 + r) * ss; mr[r] = mx + 16 * (r0 + r); }
     const int64_t tiles = (most + 15) / 16;
