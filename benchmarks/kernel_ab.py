@@ -1,9 +1,11 @@
-"""The fused layer kernels (backends/torch_backend/kernels/fused.cpp) of another revision against the working
-tree's, in ONE process: REV's source is built under its own op namespace (hetero_sd_fused_rev) and the
-default target's fused ops are switched between the two call by call, so both see the same minute of this
+"""The layer kernels (backends/torch_backend/kernels/fused.cpp and quant8.cpp, the int8-row products) of
+another revision against the working tree's, in ONE process: REV's sources are built under their own op
+namespaces (hetero_sd_fused_rev, hetero_sd_quant8_rev, REV's layer walk calling REV's products) and the
+default target's kernels are switched between the two call by call, so both see the same minute of this
 VM, whose speed drifts by 10-30% between minutes (separate processes could not tell 5% apart). Each round
 times every row count with each variant in turn (median of `--reps` forwards on top of `--context` tokens),
 and the outputs are compared bit for bit (a kernel change must not move one: decode and verify agree only so).
+Both use the tree's packed weights (quant.cpp's layout): REV must read them the same way.
 
     python benchmarks/kernel_ab.py --rev HEAD~1 [--rows 1,8,16] [--rounds 8] [--reps 25] [--json out.json]
 """
@@ -21,24 +23,28 @@ from pathlib import Path
 import torch
 
 import hetero_sd
-from hetero_sd.backends.torch_backend import fused, kernels
+from hetero_sd.backends.torch_backend import fused, kernels, quant8
 from hetero_sd.bench.runner import machine
 from hetero_sd.decoding.costs import fill_ids
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "backends/torch_backend/kernels/fused.cpp"
+SOURCES = "backends/torch_backend/kernels"
 
 
-def rev_ops(rev: str) -> fused.FusedOps:
-    """REV's fused.cpp built and loaded beside the tree's, its ops under torch.ops.hetero_sd_fused_rev."""
-    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
+def rev_ops(rev: str) -> tuple[fused.FusedOps, object]:
+    """REV's quant8.cpp and fused.cpp built and loaded beside the tree's, under torch.ops.hetero_sd_quant8_rev
+    and hetero_sd_fused_rev (REV's walk finds REV's products by that name)."""
     folder = Path(tempfile.mkdtemp())
-    (folder / "fused_rev.cpp").write_text(text.replace("hetero_sd_fused", "hetero_sd_fused_rev"))
-    built = kernels.build("fused_rev", folder)
-    if isinstance(built, Exception):
-        raise SystemExit(f"{rev}'s fused.cpp did not build: {built.summary}")
-    return fused.FusedOps(built)
+    built = {}
+    for name in ("quant8", "fused"):
+        text = subprocess.run(["git", "show", f"{rev}:{SOURCES}/{name}.cpp"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        text = text.replace("hetero_sd_quant8", "hetero_sd_quant8_rev").replace("hetero_sd_fused", "hetero_sd_fused_rev")
+        (folder / f"{name}_rev.cpp").write_text(text)
+        built[name] = kernels.build(f"{name}_rev", folder)
+        if isinstance(built[name], Exception):
+            raise SystemExit(f"{rev}'s {name}.cpp did not build: {built[name].summary}")
+    return fused.FusedOps(built["fused"]), built["quant8"]
 
 
 def main() -> None:
@@ -54,7 +60,14 @@ def main() -> None:
     target = hetero_sd.load("default", None).target
     if not target.fused:
         raise SystemExit("the default target does not use the fused ops here (see its load notes)")
-    variants = {args.rev: rev_ops(args.rev), "tree": target.ops.k}
+    variants = {args.rev: rev_ops(args.rev), "tree": (target.ops.k, quant8.extension())}
+    int8 = [m for m in target.matrices() if isinstance(m, quant8.Int8Blocks)]  # the head's product is called here
+
+    def use(variant) -> None:
+        target.ops.k = variant[0]
+        for m in int8:
+            m.ext = variant[1]
+
     target.crop(0)
     target.forward(fill_ids(args.context, target.config.vocab_size), last_only=True)
     base = target.length
@@ -66,8 +79,8 @@ def main() -> None:
     same = {}
     for k in rows:  # the same bits from both
         outs = []
-        for ops in variants.values():
-            target.ops.k = ops
+        for variant in variants.values():
+            use(variant)
             out = forward(k)
             outs.append((out.logits, out.features))
         same[k] = torch.equal(outs[0][0], outs[1][0]) and (outs[0][1] is None or torch.equal(outs[0][1], outs[1][1]))
@@ -78,16 +91,16 @@ def main() -> None:
         return time.perf_counter() - began
 
     medians = {name: {k: [] for k in rows} for name in variants}
-    for name, ops in variants.items():  # warm-up
-        target.ops.k = ops
+    for name, variant in variants.items():  # warm-up
+        use(variant)
         for k in rows:
             for _ in range(5):
                 timed(k)
     for r in range(args.rounds):
         order = list(variants.items()) if r % 2 == 0 else list(variants.items())[::-1]
         for k in rows:
-            for name, ops in order:
-                target.ops.k = ops
+            for name, variant in order:
+                use(variant)
                 medians[name][k].append(statistics.median(timed(k) for _ in range(args.reps)) * 1e3)
     ratio = {k: [t / b for t, b in zip(medians["tree"][k], medians[args.rev][k])] for k in rows}
     wins = {k: sum(x < 1 for x in ratio[k]) for k in rows}
@@ -99,7 +112,7 @@ def main() -> None:
         print(f"rows {k:2d}: {args.rev} {s['rev_ms']:.3f} ms, tree {s['tree_ms']:.3f} ms, tree/rev {s['tree_over_rev']:.3f} "
               f"(tree faster in {s['tree_faster_rounds']} of {args.rounds} rounds), bitwise equal: {same[k]}")
     if args.json:
-        doc = {"what": "the tree's fused kernels against REV's in one process, alternating (benchmarks/kernel_ab.py)",
+        doc = {"what": "the tree's layer kernels (fused, quant8) against REV's in one process, alternating (benchmarks/kernel_ab.py)",
                "machine": machine(), "rev": args.rev, "context": args.context, "rounds": args.rounds, "reps": args.reps,
                "bitwise_equal": same, "summary": summary,
                "per_round_ms": {name: {str(k): [round(x, 3) for x in v] for k, v in m.items()} for name, m in medians.items()}}
