@@ -674,6 +674,9 @@ static auto attend_variant(int64_t D, bool wide, bool tiled) {
 // (9 items for 2 threads); a block of 2-4 rows head by head with all its rows (9 items: one item per K/V
 // head gave 3 items to 2 threads, a verify-2's attention cost 1.6x a decode step's); larger blocks 4 rows at
 // a time with every head of one K/V head. Grouping only shares memory traffic: a row's bits stay its own.
+// Tried and dropped on the 2-core Zen 5 (benchmarks/kernel_ab.py, one process, 8-10 alternating rounds; 16th
+// session): 8 rows an item at 16 rows (each K/V read by 2 items instead of 4): 1.008x; the scratch below
+// left unset instead of zeroed: 0.980x and 1.004x for verify-8 in two runs, noise.
 template <typename KV>
 static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
                             bool causal, bool tiled) {

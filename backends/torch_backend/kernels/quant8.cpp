@@ -251,6 +251,11 @@ template <bool Q41> static Tile pick(bool avx512, int r) {
                case 7: return tile256<7, Q41>; default: return tile256<8, Q41>; }
 }
 
+// Threads take fixed halves of the tiles. Tried and dropped (2-core Zen 5, benchmarks/kernel_ab.py, one
+// process, 8 alternating rounds, bitwise the same; 16th session): chunks claimed from an atomic counter as the
+// threads come free (libgomp's spin was ~1/4 of a decode step's samples): 1.03-1.16x SLOWER (decode and verify,
+// 3 or 4 chunks a thread, prefetch clamped to the chunk or not); each thread's first 24 blocks requested
+// together before its tiles (the prefetch starts only at the tiles): 0.997-1.005x.
 // x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
 // x [..., K] float32 (made contiguous here) -> y [..., n], the shapes handled here as quant.qgemm does
 at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int64_t amx_rows, int64_t n) {
