@@ -1,6 +1,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <vector>
+#include <memory>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -251,6 +252,19 @@ template <bool Q41> static Tile pick(bool avx512, int r) {
                case 7: return tile256<7, Q41>; default: return tile256<8, Q41>; }
 }
 
+struct Codes {  // int8 codes of M rows of K inputs, and per block of 32 their scale, scale x code sum, code sum
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> dx, ms;
+  std::unique_ptr<int32_t[]> sq;
+  int64_t qn = 0, bn = 0;
+  void fit(int64_t codes, int64_t blocks) {
+    if (codes > qn) { q.reset(new int8_t[codes]); qn = codes; }
+    if (blocks > bn) { dx.reset(new float[blocks]); ms.reset(new float[blocks]); sq.reset(new int32_t[blocks]); bn = blocks; }
+  }
+};
+constexpr int64_t kKeep = 1 << 20;  // bytes of codes a thread keeps between calls (64 rows of 16k inputs)
+static Codes& kept_codes() { static thread_local Codes codes; return codes; }
+
 // Threads take fixed halves of the tiles. Tried and dropped (2-core Zen 5, benchmarks/kernel_ab.py, one
 // process, 8 alternating rounds, bitwise the same; 16th session): chunks claimed from an atomic counter as the
 // threads come free (libgomp's spin was ~1/4 of a decode step's samples): 1.03-1.16x SLOWER (decode and verify,
@@ -264,17 +278,21 @@ at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int
   int64_t K = x.size(-1), M = x.numel() / K, tiles = packed.size(0), KB = packed.size(1), nb = avx512 ? 16 : 8;
   TORCH_CHECK(KB * 32 == K && packed.size(2) == (q41 ? 20 : 34) * nb && n <= tiles * nb && n > (tiles - 1) * nb,
               "qgemm8: packed weight does not fit x or this ISA");
-  // the rows' int8 codes, scales, mins and code sums: plain buffers (4 torch allocations cost ~2 us a call)
-  std::vector<int8_t> q(M * K);
-  std::vector<float> dx(M * KB), ms(M * KB);
-  std::vector<int32_t> sq(M * KB);
-  quantize_rows(x.data_ptr<float>(), M, K, q.data(), dx.data(), ms.data(), sq.data(), avx512);
+  // the rows' int8 codes, scales, mins and code sums: the calling thread's own buffers, kept between calls and
+  // never zeroed (every byte is written before it is read). Four vectors a call were ~480 allocations and
+  // ~500 KB of zeroing a verify, on the calling thread alone while the other waited. A prompt's rows beyond
+  // kKeep bytes get buffers of their own.
+  Codes held;
+  Codes& codes = M * K <= kKeep ? kept_codes() : held;
+  codes.fit(M * K, M * KB);
+  const Rows all{codes.q.get(), codes.dx.get(), codes.ms.get(), codes.sq.get(), K, KB};
+  quantize_rows(x.data_ptr<float>(), M, K, codes.q.get(), codes.dx.get(), codes.ms.get(), codes.sq.get(), avx512);
   auto y = at::empty({M, tiles * nb}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>(); float* yp = y.data_ptr<float>();
   int64_t ldy = tiles * nb, rows_max = avx512 || !q41 ? 8 : 4, stride = packed.size(1) * packed.size(2);
   if (avx512 && amx_rows > 0 && M >= amx_rows && amx_ready()) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      (q41 ? tiles_amx<true> : tiles_amx<false>)(q.data(), dx.data(), ms.data(), sq.data(), M, K, wp, begin, end,
+      (q41 ? tiles_amx<true> : tiles_amx<false>)(all.q, all.dx, all.ms, all.sq, M, K, wp, begin, end,
                                                 stride, yp, ldy);
     });
   } else {
@@ -282,7 +300,7 @@ at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int
       for (int64_t t = begin; t < end; ++t)
         for (int64_t r0 = 0; r0 < M; r0 += rows_max) {
           int r = (int)std::min(rows_max, M - r0);
-          Rows rows{q.data() + r0 * K, dx.data() + r0 * KB, ms.data() + r0 * KB, sq.data() + r0 * KB, K, KB};
+          Rows rows{all.q + r0 * K, all.dx + r0 * KB, all.ms + r0 * KB, all.sq + r0 * KB, K, KB};
           (q41 ? pick<true>(avx512, r) : pick<false>(avx512, r))(rows, wp + t * stride, yp + r0 * ldy + t * nb, ldy);
         }
     });
