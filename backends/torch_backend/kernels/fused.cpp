@@ -547,8 +547,7 @@ __attribute__((target("avx2,fma,f16c"))) static void tiles8(const float* const* 
   for (int r = 0; r < RG; ++r)
     for (int b = 0; b < 2 * TB; ++b) acc[r][b] = _mm256_setzero_ps();
   const KV* base = kt + t * 16 * D;
-  for (int d = 0; d < D; ++d) {
-    if (ahead) ahead->step(TB * 16 * (int)sizeof(KV) / 64);
+  for (int d = 0; d < D; ++d) {  // (ahead: none here, see scores_tiled)
     __m256 kv[2 * TB];
     for (int b = 0; b < 2 * TB; ++b) kv[b] = load8(base + (b / 2) * 16 * D + d * 16 + (b % 2) * 8);
     for (int r = 0; r < RG; ++r) {
@@ -590,12 +589,14 @@ static void scores_tiled(const float* const* q, const KV* kt, const KV* vt, cons
   float* mr[RGMAX];
   int64_t all = 0;
   for (int r = 0; r < R; ++r) all = std::max(all, n[r]);
-  // the first group's pass requests K 8 tiles ahead of its loads, and every row's V (see Ahead)
-  Ahead ahead{(const char*)(kt + 8 * 16 * D), (const char*)(kt + (all + 15) / 16 * 16 * D), (const char*)vt,
-              (const char*)(vt + all * D)};
+  // the first group's pass requests K 8 tiles ahead of its loads, and every row's V (see Ahead); only on the
+  // 16-lane path, the one measured (a decode row's one pass is its own stream: left alone, it ran 3% faster)
+  const int64_t ktiles = (all + 15) / 16;
+  Ahead ahead{(const char*)(kt + std::min<int64_t>(8, ktiles) * 16 * D), (const char*)(kt + ktiles * 16 * D),
+              (const char*)vt, (const char*)(vt + all * D)};
   for (int r0 = 0; r0 < R; r0 += RGMAX) {
     const int rg = std::min(RGMAX, R - r0);
-    Ahead* first = r0 == 0 && R > 1 ? &ahead : nullptr;  // (a decode row's one pass: its own stream, left alone)
+    Ahead* first = W && r0 == 0 && R > 1 ? &ahead : nullptr;
     int64_t most = 0;
     for (int r = 0; r < rg; ++r) { most = std::max(most, n[r0 + r]); sr[r] = s + (r0 + r) * ss; mr[r] = mx + 16 * (r0 + r); }
     const int64_t tiles = (most + 15) / 16;
