@@ -25,7 +25,7 @@ import torch
 import hetero_sd
 from hetero_sd.backends.torch_backend import fused, kernels, quant8
 from hetero_sd.bench.runner import machine
-from hetero_sd.decoding.costs import fill_ids
+from hetero_sd.decoding.costs import fill_context, fill_ids, step
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = "backends/torch_backend/kernels"
@@ -68,26 +68,22 @@ def main() -> None:
         for m in int8:
             m.ext = variant[1]
 
-    target.crop(0)
-    target.forward(fill_ids(args.context, target.config.vocab_size), last_only=True)
+    fill_context(target, None, args.context)
     base = target.length
-
-    def forward(k: int, **kw):
-        target.crop(base)
-        return target.forward(fill_ids(k, target.config.vocab_size)[::-1], **kw)
+    ids = {k: fill_ids(k, target.config.vocab_size)[::-1] for k in rows}
 
     same = {}
     for k in rows:  # the same bits from both
         outs = []
         for variant in variants.values():
             use(variant)
-            out = forward(k)
+            out = step(target, base, ids[k], True)
             outs.append((out.logits, out.features))
         same[k] = torch.equal(outs[0][0], outs[1][0]) and (outs[0][1] is None or torch.equal(outs[0][1], outs[1][1]))
 
-    def timed(k: int) -> float:
+    def timed(k: int) -> float:  # the cost probe's own call (`bench --costs`): a decode step without features
         began = time.perf_counter()
-        forward(k, last_only=k == 1, features=k > 1)
+        step(target, base, ids[k], k > 1)
         return time.perf_counter() - began
 
     medians = {name: {k: [] for k in rows} for name in variants}
