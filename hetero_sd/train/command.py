@@ -15,7 +15,7 @@ from hetero_sd.loading.sources import resolve_target
 from .data import done_indices, generate_responses, load_rows
 from .distill import generate_shards, load_stores, unanswered
 from .prompts import training_prompts
-from .trainer import TrainConfig, train
+from .trainer import TrainConfig, check_packing, train
 
 err = Console(stderr=True)
 
@@ -121,6 +121,7 @@ def train_command(args: argparse.Namespace) -> None:
                           "add --distill DIR --feature-cache DIR")
     if not args.out and not args.generate_only and not args.cache_features:
         raise ConfigError("train-draft needs --out for the trained draft", "add --out DIR")
+    check_packing(args.pack, args.accumulate)  # here, before any data is generated or loaded
     target = resolve_target(args.target)
     if args.generate_only and len(args.distill) > 1:
         raise ConfigError("--generate-only extends one --distill store", "give one --distill DIR "

@@ -456,12 +456,17 @@ def held_out_tau(model: TrainingDraft, rows, features, split: SplitForward | Non
     return sum(lengths) / max(len(lengths), 1)
 
 
+def check_packing(pack: int, accumulate: int) -> None:
+    """A forward packs at most a step's sequences (a GPU lease once trained 2 a step with --pack 32 --accumulate 2)."""
+    if pack > accumulate:
+        raise ConfigError(f"--pack {pack} with --accumulate {accumulate}: a step has {accumulate} "
+                          f"sequences, so no forward can pack {pack}",
+                          f"raise --accumulate to a multiple of --pack (e.g. --accumulate {2 * pack}) or lower --pack")
+
+
 def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *, resume: bool = False,
           progress=None) -> dict:
-    if cfg.pack > cfg.accumulate:  # a forward packs at most a step's sequences: a lease once ran 2 a step this way
-        raise ConfigError(f"--pack {cfg.pack} with --accumulate {cfg.accumulate}: a step has {cfg.accumulate} "
-                          f"sequences, so no forward can pack {cfg.pack}",
-                          f"raise --accumulate to a multiple of --pack (e.g. --accumulate {2 * cfg.pack}) or lower --pack")
+    check_packing(cfg.pack, cfg.accumulate)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tcfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
