@@ -34,4 +34,7 @@ def unpack(path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    {"pack": lambda a: pack(a[:-1], a[-1]), "unpack": lambda a: unpack(*a)}[sys.argv[1]](sys.argv[2:])
+    mode, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if not ((mode == "pack" and len(args) >= 2) or (mode == "unpack" and len(args) == 2)):
+        sys.exit("usage: lease_rows.py pack STORE... OUT.npz | unpack IN.npz OUT.jsonl")
+    pack(args[:-1], args[-1]) if mode == "pack" else unpack(*args)
