@@ -37,4 +37,8 @@ if __name__ == "__main__":
     mode, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
     if not ((mode == "pack" and len(args) >= 2) or (mode == "unpack" and len(args) == 2)):
         sys.exit("usage: lease_rows.py pack STORE... OUT.npz | unpack IN.npz OUT.jsonl")
+    missing = [a for a in (args[:-1] if mode == "pack" else args[:1]) if not Path(a).exists()]
+    if missing:
+        sys.exit(f"lease_rows.py: {missing[0]} does not exist (give an existing "
+                 f"{'store folder' if mode == 'pack' else 'packed .npz'})")
     pack(args[:-1], args[-1]) if mode == "pack" else unpack(*args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 from hetero_sd.backends.torch_backend.quant import Q4_1
 from hetero_sd.backends.torch_backend.quant8 import Int8Blocks, isa
 from hetero_sd.bench.runner import machine
+from timing import median  # noqa: E402  (this folder is on sys.path when run as a script)
 
 
 def main() -> None:
@@ -42,14 +42,9 @@ def main() -> None:
     one = None
     for M in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(M, K)
-        for _ in range(5):
+        for _ in range(4):  # (with timing's own warm-up call: 5 before the timed ones)
             m(x)
-        ts = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            m(x)
-            ts.append(time.perf_counter() - t)
-        t = sorted(ts)[len(ts) // 2]
+        t = median(lambda: m(x), args.reps)
         one = one or t
         out["rows"][M] = {"ms": round(t * 1e3, 3), "GB_per_s": round(nbytes / t / 1e9, 1),
                           "GOPS": round(2 * M * N * K / t / 1e9), "vs_one_row": round(t / one, 2)}
