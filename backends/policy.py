@@ -20,6 +20,7 @@ class LoadPolicy:
     draft_layer_blocks: str = "Q8_0"  # ... of this kind ("Q8_0" or "Q4_1": plan.draft_blocks measures both)
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
+    k_q8: bool = True  # ... and its K as q8_0 blocks (llama.cpp's -ctk q8_0), where the CPU has AVX512-VNNI
     quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
     amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)

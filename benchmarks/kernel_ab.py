@@ -35,6 +35,11 @@ def rev_ops(rev: str) -> tuple[fused.FusedOps, object]:
     """REV's quant8.cpp and fused.cpp built and loaded beside the tree's, under torch.ops.hetero_sd_quant8_rev
     and hetero_sd_fused_rev (REV's walk finds REV's products by that name)."""
     folder = Path(tempfile.mkdtemp())
+    headers = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{SOURCES}/"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.split()
+    for header in (h for h in headers if h.endswith(".h")):  # what REV's sources include (e.g. attend_q8.h)
+        (folder / Path(header).name).write_text(subprocess.run(["git", "show", f"{rev}:{header}"], cwd=ROOT, check=True,
+                                                               capture_output=True, text=True).stdout)
     built = {}
     for name in ("quant8", "fused"):
         text = subprocess.run(["git", "show", f"{rev}:{SOURCES}/{name}.cpp"], cwd=ROOT, check=True,

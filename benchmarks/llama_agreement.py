@@ -8,9 +8,12 @@ answer is text: it is compared with the decoding of our N tokens, and where they
 position is our first token whose text is not a prefix of llama.cpp's answer. There our int8 target's logits
 say why: the margin between its top two logits, and whether llama.cpp's continuation starts with our
 second choice (a near-tie that a different summation order or rounding flips). With --float32 our float32
-target (the default numerics) is run on the same prompts too.
+target (the default numerics) is run on the same prompts too; --kv-float16: our int8 target with K in float16 (the
+default keeps K as q8_0 blocks where the CPU has AVX512-VNNI); --kv-q8: with K as q8_0 blocks, explicitly;
+--llama-ctk q8_0 runs llama.cpp itself with that K cache (llama.cpp's -ctk q8_0).
 
-    python benchmarks/llama_agreement.py [--limit 20] [--tokens 128] [--float32] [--json benchmarks/results/llama_agreement.json]
+    python benchmarks/llama_agreement.py [--limit 20] [--tokens 128] [--float32] [--kv-q8] [--llama-ctk q8_0]
+                                         [--json benchmarks/results/llama_agreement.json]
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
 
 
-def llama_greedy(gguf: str, prompt: str, n: int, threads: int) -> dict:
+def llama_greedy(gguf: str, prompt: str, n: int, threads: int, ctk: str | None = None) -> dict:
     binary = build_dir() / "bin" / "llama-completion"
     args = [str(binary), "-m", gguf, "-t", str(threads), "-c", "2048", "-b", "2048", "--temp", "0", "--no-escape",
             "-no-cnv", "--no-display-prompt", "--simple-io", "--ignore-eos", "-n", str(n), "-p", prompt]
+    args += ["-ctk", ctk] if ctk else []
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"llama-completion failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -79,6 +83,9 @@ def main() -> None:
     ap.add_argument("--float32", action="store_true", help="also our float32 target")
     ap.add_argument("--kv-float32", action="store_true",
                     help="also the int8 target with a float32 K/V cache (the default keeps float16, as llama.cpp)")
+    ap.add_argument("--kv-q8", action="store_true", help="also the int8 target with its K cache as q8_0 blocks")
+    ap.add_argument("--kv-float16", action="store_true", help="also the int8 target with its K cache in float16")
+    ap.add_argument("--llama-ctk", default=None, help="llama.cpp's K cache type (-ctk; default: its float16)")
     ap.add_argument("--json", default="benchmarks/results/llama_agreement.json")
     args = ap.parse_args()
     prompts = [p for d in args.datasets.split(",") for p in load_prompts(dataset=d)][:args.limit]
@@ -87,6 +94,14 @@ def main() -> None:
     if args.kv_float32:
         from hetero_sd.backends.policy import LoadPolicy
         rts["int8, float32 KV"] = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(kv_f16=False))
+    if args.kv_q8:
+        from hetero_sd.backends.policy import LoadPolicy
+        rts["int8, q8_0 K"] = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(k_q8=True))
+        if rts["int8, q8_0 K"].target.cache.k[0].dtype != torch.uint8:
+            raise SystemExit("--kv-q8: no q8_0 K cache here (it needs AVX512-VNNI): " + "; ".join(rts["int8, q8_0 K"].notes))
+    if args.kv_float16:
+        from hetero_sd.backends.policy import LoadPolicy
+        rts["int8, float16 K"] = hetero_sd.load("default", None, dtype="int8", policy=LoadPolicy(k_q8=False))
     if args.float32:
         rts["float32"] = hetero_sd.load("default", None, dtype="float32")
     gguf = rts["int8"].info["gguf"]
@@ -95,7 +110,7 @@ def main() -> None:
         ids, _ = rts["int8"].encode(p.text)
         text = rts["int8"].tokenizer.decode(ids, skip_special_tokens=False)
         began = time.perf_counter()
-        theirs = llama_greedy(gguf, text, args.tokens, threads)
+        theirs = llama_greedy(gguf, text, args.tokens, threads, args.llama_ctk)
         row = {"prompt": p.text[:80], "category": p.category, "prompt_tokens": len(ids),
                "llama_cpp_prompt_tokens": theirs["prompt_tokens"], "llama_cpp_s": round(time.perf_counter() - began, 2)}
         for name, rt in rts.items():
@@ -126,7 +141,8 @@ def write(args, rows: list, rts: dict, gguf: str, threads: int, done: bool) -> N
                                                                   if "why" in r[name]])}
                for name in rts}
     doc = {"command": " ".join(["python"] + sys.argv), "lscpu": lscpu(), "threads": threads,
-           "llama_cpp": build_info(), "gguf": gguf, "tokens": args.tokens, "greedy": True, "eos_ignored": True,
+           "llama_cpp": build_info(), "llama_cpp_k_cache": args.llama_ctk or "f16 (its default)",
+           "gguf": gguf, "tokens": args.tokens, "greedy": True, "eos_ignored": True,
            "load_note": "shared 2-core VM (other helpers' jobs, a nice-19 training run): times are indicative",
            "complete": done, "summary": summary, "rows": rows}
     if done:

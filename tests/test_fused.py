@@ -212,13 +212,13 @@ def test_fused_target_is_the_torch_op_target(family_target, ext):
     assert fast.generate(prompt, max_new_tokens=40).token_ids == base  # DFlash through the fused layers
 
 
-@pytest.mark.parametrize("rows", ["int8", "float32"])
+@pytest.mark.parametrize("rows", ["int8", "int8, q8_0 K", "float32"])
 @pytest.mark.parametrize("style", ["llama", "qwen3 norms + qwen2 bias"])
 def test_the_one_call_walk_is_bitwise_the_python_walk(ext, rows, style):
     """FusedLayerOps.layers (kernels/fused.cpp `layers`) runs the same kernels in the same order as the walk in
     Python: the same bits for the rows, the captured layers and both caches, for int8 rows (quant8.Int8Blocks,
-    float16 caches) and float32 rows (quant.Quantized), with q/k norms and a q|k|v bias or without; more rows
-    than a float32-rows product takes (a prefill) walk in Python."""
+    float16 caches, or K as q8_0 blocks with the 16-lane stages) and float32 rows (quant.Quantized), with q/k norms
+    and a q|k|v bias or without; more rows than a float32-rows product takes (a prefill) walk in Python."""
     from types import SimpleNamespace
 
     from hetero_sd.backends.torch_backend import quant, quant8
@@ -226,11 +226,16 @@ def test_the_one_call_walk_is_bitwise_the_python_walk(ext, rows, style):
 
     from .test_quant import random_rows
 
-    if (quant8 if rows == "int8" else quant).isa() is None:
+    from hetero_sd.backends.torch_backend.plan import Q8_K_FLAGS
+
+    int8, q8 = rows.startswith("int8"), rows.endswith("q8_0 K")
+    if (quant8 if int8 else quant).isa() is None:
         pytest.skip("no GGUF-block kernel on this CPU")
+    if q8 and not Q8_K_FLAGS <= fused.cpu_flags():
+        pytest.skip("a q8_0 K cache needs AVX-512 with VNNI")
     cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5)
     H, I, g = 256, 512, torch.Generator().manual_seed(0)
-    make = quant8.Int8Blocks if rows == "int8" else quant.Quantized
+    make = quant8.Int8Blocks if int8 else quant.Quantized
     qwen = style != "llama"
 
     def matrix(n, k, seed):
@@ -246,14 +251,14 @@ def test_the_one_call_walk_is_bitwise_the_python_walk(ext, rows, style):
                               q_norm=norm(64) if qwen else None, k_norm=norm(64) if qwen else None,
                               in_norm=norm(H), post_norm=norm(H), nq=H) for i in range(3)]
     walk = tuple((layer, layer.post_norm, nxt) for layer, nxt in zip(layers, [x.in_norm for x in layers[1:]] + [norm(H)]))
-    cache_dtype = torch.float16 if rows == "int8" else torch.float32
+    cache_dtype = torch.float16 if int8 else torch.float32
     theta = 1 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
     angles = torch.outer(torch.arange(200).float(), theta)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     results = []
     for stack in (False, True):
-        ops = fused.FusedLayerOps(cfg, True, False, stack=stack)
-        cache, out = KVCache(cfg, 3, "cpu", cache_dtype, 512), []
+        ops = fused.FusedLayerOps(cfg, True, q8, stack=stack)  # (q8_0 K: the 16-lane stages)
+        cache, out = KVCache(cfg, 3, "cpu", cache_dtype, 512, k_q8=q8), []
         start = 0
         for T in (70, 1, 5):  # a prefill (float32 rows: more than the product takes), a decode, a verify
             h = torch.randn(1, T, H, generator=torch.Generator().manual_seed(T))

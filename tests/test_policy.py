@@ -29,6 +29,8 @@ def test_the_cli_reads_the_variables_and_names_them():
     with pytest.raises(ConfigError, match="HETERO_SD_KV='f32'"):
         policy_from_env({"HETERO_SD_KV": "f32"})
     assert not policy_from_env({"HETERO_SD_KV": "float32"}).kv_f16 and policy_from_env({}).kv_f16
+    assert policy_from_env({}).k_q8 and policy_from_env({"HETERO_SD_KV": "Q8_0"}).k_q8
+    assert not policy_from_env({"HETERO_SD_KV": "float16"}).k_q8 and policy_from_env({"HETERO_SD_KV": "float16"}).kv_f16
     assert not policy_from_env({"HETERO_SD_STACK": "off"}).stack and policy_from_env({}).stack
     assert policy_from_env({}).draft_layer_blocks == "Q8_0"
     for value, int8, kind in (("q4_1", True, "Q4_1"), ("int8", True, "Q8_0"), ("float", False, "Q8_0")):

@@ -129,16 +129,25 @@ def test_int8_default_target_is_named_and_dflash_on_it_is_lossless(default_folde
 
 
 @pytest.mark.slow
-def test_int8_target_keeps_a_float16_kv_cache_and_stays_lossless(default_folder):
-    """The int8 target keeps K/V in float16 as llama.cpp does (HETERO_SD_KV=float32 keeps float32): decode and
-    verify rows read the same stored values, so they still agree bit for bit, and DFlash on it is lossless."""
+@pytest.mark.parametrize("kv", ["default", "float16"])
+def test_int8_target_keeps_llama_cpp_kv_caches_and_stays_lossless(default_folder, kv):
+    """The int8 target keeps V in float16 and K as q8_0 blocks where the CPU has AVX512-VNNI (llama.cpp's -ctk
+    q8_0), else (or with HETERO_SD_KV=float16) in float16 as llama.cpp does by default; HETERO_SD_KV=float32 keeps
+    both in float32. Decode and verify rows read the same stored values, so they still agree bit for bit, and
+    DFlash on it is lossless."""
+    from hetero_sd.backends.torch_backend.plan import Q8_K_FLAGS
     from hetero_sd.cli.policy import policy_from_env
 
-    rt = hetero_sd.load("default", "cpu-trained", block_size=8)
-    assert rt.target.cache.k[0].dtype == torch.float16 and rt.draft.cache.k[0].dtype == torch.float32
-    assert any(n.startswith("KV cache: float16") for n in rt.notes) and "float16 KV cache" in rt.info["weight_plan"]
+    policy = policy_from_env({} if kv == "default" else {"HETERO_SD_KV": kv})
+    q8 = kv == "default" and Q8_K_FLAGS <= cpu_flags()
+    rt = hetero_sd.load("default", "cpu-trained", block_size=8, policy=policy)
+    k_dtype = torch.uint8 if q8 else torch.float16
+    assert rt.target.cache.k[0].dtype == k_dtype and rt.target.cache.v[0].dtype == torch.float16
+    assert rt.draft.cache.k[0].dtype == torch.float32
+    named = ("KV cache: K as q8_0 blocks", "q8_0 K + float16 V cache") if q8 else ("KV cache: float16", "float16 KV cache")
+    assert any(n.startswith(named[0]) for n in rt.notes) and named[1] in rt.info["weight_plan"]
     t = rt.target.fork()
-    assert t.cache.k[0].dtype == torch.float16
+    assert t.cache.k[0].dtype == k_dtype
     ids = rt.tokenizer.encode("Explain what a hash table is, in two sentences.")
     t.forward(ids[:-6], features=False)
     block = t.forward(ids[-6:], features=False).logits
@@ -147,9 +156,10 @@ def test_int8_target_keeps_a_float16_kv_cache_and_stays_lossless(default_folder)
     prompt = "Write a Python function that checks whether a number is prime."
     assert rt.generate(prompt, max_new_tokens=64).token_ids == \
         rt.generate(prompt, max_new_tokens=64, speculative=False).token_ids
-    f32 = hetero_sd.load("default", None, policy=policy_from_env({"HETERO_SD_KV": "float32"}))
-    assert f32.target.cache.k[0].dtype == torch.float32 and not any(n.startswith("KV cache") for n in f32.notes)
-    assert hetero_sd.load("default", None, dtype="float32").target.cache.k[0].dtype == torch.float32
+    if kv == "default":
+        f32 = hetero_sd.load("default", None, policy=policy_from_env({"HETERO_SD_KV": "float32"}))
+        assert f32.target.cache.k[0].dtype == torch.float32 and not any(n.startswith("KV cache") for n in f32.notes)
+        assert hetero_sd.load("default", None, dtype="float32").target.cache.k[0].dtype == torch.float32
 
 
 @pytest.mark.slow

@@ -59,23 +59,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class KVCache:
-    """Per-layer K/V for positions [0, capacity); grows by doubling, crops by moving `length`."""
+def k_layout(head_dim: int, dtype: torch.dtype, k_q8: bool) -> tuple[int, torch.dtype]:
+    """(a K row's width, its dtype): `dtype` rows of head_dim, or with k_q8 the q8_0 blocks of the fused C++
+    attention (kernels/attend_q8.h: head_dim codes and head_dim/32 float scales as bytes, tiled by 16 positions)."""
+    return (head_dim + head_dim // 8, torch.uint8) if k_q8 else (head_dim, dtype)
 
-    def __init__(self, cfg: ArchConfig, num_layers: int, device, dtype, limit: int):
+
+class KVCache:
+    """Per-layer K/V for positions [0, capacity); grows by doubling, crops by moving `length`. k_q8: K as q8_0
+    blocks (k_layout; only the fused C++ ops write and read it), V in `dtype`."""
+
+    def __init__(self, cfg: ArchConfig, num_layers: int, device, dtype, limit: int, k_q8: bool = False):
         self.cfg, self.shape = cfg, (1, cfg.num_key_value_heads, 0, cfg.head_dim)
         self.num_layers, self.device, self.dtype, self.limit = num_layers, device, dtype, limit
+        self.k_q8 = k_q8
+        self.k_width, self.k_dtype = k_layout(cfg.head_dim, dtype, k_q8)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.length = 0
         self.reserve(256)
 
     def empty_like(self) -> "KVCache":
-        return KVCache(self.cfg, self.num_layers, self.device, self.dtype, self.limit)
+        return KVCache(self.cfg, self.num_layers, self.device, self.dtype, self.limit, self.k_q8)
 
     def bytes_per_position(self) -> int:
         """K and V of every layer for one position."""
-        return 2 * self.num_layers * self.shape[1] * self.shape[3] * self.dtype.itemsize
+        per_head = self.k_width * self.k_dtype.itemsize + self.shape[3] * self.dtype.itemsize
+        return self.num_layers * self.shape[1] * per_head
 
     def reserve(self, n: int) -> None:
         have = self.k[0].shape[2] if self.k else 0
@@ -84,7 +94,8 @@ class KVCache:
         size = min(max(n, 2 * have), max(n, self.limit))
         size = -(-size // 16) * 16  # whole tiles of 16 positions (the fused attention's tiled K); copied whole below
         shape = self.shape[:2] + (size,) + self.shape[3:]
-        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_k = [torch.zeros(shape[:3] + (self.k_width,), device=self.device, dtype=self.k_dtype)
+                 for _ in range(self.num_layers)]
         new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[:, :, :have] = old
@@ -92,6 +103,8 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store k/v at positions start.. and return K/V views over [0, start+T)."""
+        if self.k_q8:
+            raise ValueError("a q8_0 K cache is written by the fused C++ ops only (rope), not torch's")
         end = start + k.shape[2]
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v

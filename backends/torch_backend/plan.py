@@ -44,6 +44,7 @@ class WeightPlan:
     attend: bool = False  # the fused causal attention (x86-64 with AVX2+FMA, head_dim 64 or 128), else SDPA
     attend_wide: bool = False  # its 16-lane AVX-512 stages
     kv_dtype: torch.dtype | None = None  # the K/V cache's, where it is not `dtype` (float16: llama.cpp's cache)
+    k_q8: bool = False  # K as q8_0 blocks (llama.cpp's -ctk q8_0; kernels/attend_q8.h), V in kv_dtype
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -66,7 +67,7 @@ class WeightPlan:
         parts += ["packed float32 GEMM"] * (self.pack and not self.blocks)
         parts += ["fused layer ops"] * self.fused
         parts += ["one-call layer walk"] * self.one_call_walk
-        parts += ["float16 KV cache"] * (self.kv_dtype == torch.float16)
+        parts += [kv_name(self)] * (self.kv_dtype == torch.float16)
         return ", ".join(parts)
 
     # ---- the multipliers, asked for by the modules while they are built ----
@@ -221,12 +222,29 @@ def plan_target(cfg, gguf, device: str, dtype: torch.dtype, activations: str, po
     # llama.cpp's numerics keep K/V in float16: half the bytes a decode step's attention reads (~20% of a step
     # at 512 tokens) and half the memory per position. Only where the C++ attention reads the cache (it converts
     # as it loads); decode and verify read the same stored values, so they still agree bit for bit.
-    if plan.activations == INT8 and plan.attend and "f16c" in flags:
-        if policy.kv_f16:
-            plan.kv_dtype = torch.float16
-            plan.notes.append("KV cache: float16, as llama.cpp keeps it (half the bytes per position; "
-                              "HETERO_SD_KV=float32 keeps float32)")
+    # Where the 16-lane stages have VNNI, K as q8_0 blocks (llama.cpp's -ctk q8_0): the scores become int8 dot
+    # products and K reads 72 bytes a position and head instead of 128. Measured on the 2-core Zen 5 EPYC in one
+    # process (benchmarks/results/kq8_zen5/): decode 0.87-0.99x the time, verify-8 0.87-0.96x, verify-16 0.90-0.97x
+    # at 200-1,500 tokens; end to end with the shipped draft 1.07x tokens/s. Its shift from a float32 cache's
+    # predictions is of the float16 cache's size (top-1 2.7% vs 2.3% of positions, KL 0.0038 vs 0.0029 nats).
+    if plan.activations == INT8 and plan.attend and "f16c" in flags and policy.kv_f16:
+        plan.kv_dtype = torch.float16
+        plan.k_q8 = policy.k_q8 and plan.attend_wide and Q8_K_FLAGS <= flags
+        if plan.k_q8:
+            plan.notes.append("KV cache: K as q8_0 blocks and V float16, as llama.cpp keeps them with -ctk q8_0 (scores "
+                              "as int8 dot products; HETERO_SD_KV=float16 keeps K in float16)")
+        else:
+            plan.notes.append("KV cache: float16, as llama.cpp keeps it (half the bytes per position; HETERO_SD_KV=float32 "
+                              "keeps float32)" + ("; K as q8_0 blocks would need AVX512-VNNI" if policy.k_q8 else ""))
     return plan
+
+
+Q8_K_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c"})
+
+
+def kv_name(plan: WeightPlan) -> str:
+    """The K/V cache in stats and the cost key."""
+    return "q8_0 K + float16 V cache" if plan.k_q8 else "float16 KV cache"
 
 
 def with_blocks(plan: WeightPlan, gguf, cfg) -> WeightPlan:

@@ -23,7 +23,7 @@ from . import fused, quant8
 from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
                      layer_walk, through_layers)
-from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, plan_target
+from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, kv_name, plan_target
 
 
 class TargetModel(nn.Module):
@@ -113,10 +113,11 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.notes: list[str] = self.plan.notes  # announced by the runtime (e.g. a kernel that did not build)
         self.weight_format, self.fused = self.plan.weights, self.plan.fused
         self.rope = Rope(cfg, device, dtype)
-        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context)
+        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,
+                             self.plan.k_q8)
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
-        named += ["float16 KV cache"] * (self.plan.kv_dtype == torch.float16)
+        named += [kv_name(self.plan)] * (self.plan.kv_dtype == torch.float16)
         named += ["one-call layer walk"] * self.plan.one_call_walk
         self.mode = ", ".join(named) or self.weight_format
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])

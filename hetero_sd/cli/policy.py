@@ -19,7 +19,8 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     C++ call), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
     multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
     dtype, not GGUF blocks times int8 rows; =q4_1: Q4_1 blocks, not the default Q8_0), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
-    target's whole head), HETERO_SD_KV=float32 (the int8 target's K/V cache in float32, not float16),
+    target's whole head), HETERO_SD_KV=float16 (the int8 target's K in float16, not q8_0 blocks where the CPU has
+    AVX512-VNNI; V is float16 either way; =float32: K and V in float32),
     HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
     on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
     thread: measures the inline rule of decoding/lanes.py)."""
@@ -28,9 +29,10 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     for name in ("HETERO_SD_QUANT_ISA", "HETERO_SD_ATTEND_ISA"):
         if name in given and given[name] not in ISAS:
             raise ConfigError(f"{name}={given[name]!r} is not an instruction set here", f"use one of {', '.join(ISAS)}")
-    if given.get("HETERO_SD_KV", "float16") not in ("float16", "float32"):
+    kv = given.get("HETERO_SD_KV", "q8_0").lower()
+    if kv not in ("q8_0", "float16", "float32"):
         raise ConfigError(f"HETERO_SD_KV={given['HETERO_SD_KV']!r} is not a K/V cache type",
-                          "use HETERO_SD_KV=float16 (the default) or HETERO_SD_KV=float32")
+                          "use HETERO_SD_KV=q8_0 (the default), float16 or float32")
     layers = given.get("HETERO_SD_DRAFT_LAYERS", "q8_0").lower()
     if layers not in ("q4_1", "q8_0", "int8", "float"):
         raise ConfigError(f"HETERO_SD_DRAFT_LAYERS={given['HETERO_SD_DRAFT_LAYERS']!r} is not a draft layer format",
@@ -46,7 +48,7 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
                       draft_int8_layers=layers != "float",
                       draft_layer_blocks="Q4_1" if layers == "q4_1" else "Q8_0",  # ("int8": Q8_0, its name before)
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
-                      kv_f16=given.get("HETERO_SD_KV", "float16") != "float32",
+                      kv_f16=kv != "float32", k_q8=kv == "q8_0",
                       quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),
                       amx_rows=None if amx is None else int(amx),
                       lane_threads=given.get("HETERO_SD_LANE_THREADS") == "1",

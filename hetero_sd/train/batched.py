@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero_sd.backends.policy import LoadPolicy
-from hetero_sd.backends.torch_backend.layers import DecoderLayer, Rope, TorchOps, linear
+from hetero_sd.backends.torch_backend.layers import DecoderLayer, Rope, TorchOps, k_layout, linear
 from hetero_sd.backends.torch_backend.cpu import cpu_flags
 from hetero_sd.backends.torch_backend.plan import FLOAT32, INT8, plan_target
 from hetero_sd.backends.torch_backend.target import build_target
@@ -79,15 +79,16 @@ class BatchedGenerator:
             self.notes.append("batched int8 generation on torch's ops: the fused C++ attention is not available here "
                               f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
         self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
+        self.k_width, self.k_dtype = k_layout(cfg.head_dim, self.kv_dtype, self.fused and plan.k_q8)
         self.positions = -(-(max_prompt_tokens + max_new_tokens) // 16) * 16  # whole tiles (the tiled K cache)
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
 
     # -- the forward pass: the target module's, with the slots' attention -----------------------------
 
     def new_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (rows, self.cfg.num_key_value_heads, self.positions, self.cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype), torch.zeros(shape, dtype=self.kv_dtype))
-                for _ in range(self.cfg.num_hidden_layers)]
+        shape = (rows, self.cfg.num_key_value_heads, self.positions)
+        return [(torch.zeros(shape + (self.k_width,), dtype=self.k_dtype),
+                 torch.zeros(shape + (self.cfg.head_dim,), dtype=self.kv_dtype)) for _ in range(self.cfg.num_hidden_layers)]
 
     @torch.inference_mode()
     def prefill(self, cache, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The native CPU kernels: C++ source files beside this module (gemm.cpp, quant.cpp, quant8.cpp, fused.cpp),
+"""The native CPU kernels: C++ source files beside this module (gemm.cpp, quant.cpp, quant8.cpp, fused.cpp
+(with attend_q8.h)),
 each registered as torch custom ops (TORCH_LIBRARY: torch.ops.hetero_sd_<name>.*, seen by torch.profiler
 and torch.compile), compiled once at run time by torch.utils.cpp_extension into its cache
 (~/.cache/torch_extensions) and loaded from there by every later run. The Python wrappers that choose and
@@ -53,7 +54,9 @@ def build(name: str, folder: Path = HERE):
     under one name rebuild it for each other (their include paths differ) and wait on each other's build
     lock, which stalled a generation for minutes when another checkout's tests ran."""
     source = folder / f"{name}.cpp"
+    # the headers beside it count too (fused.cpp includes attend_q8.h): a changed header is another build
     key = f"{sys.prefix}|{torch.__version__}|".encode() + source.read_bytes()
+    key += b"".join(h.read_bytes() for h in sorted(folder.glob("*.h")))
     ninja_on_path()
     try:
         from torch.utils.cpp_extension import load

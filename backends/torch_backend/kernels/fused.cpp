@@ -139,10 +139,23 @@ static inline void rope_any(const float* x, const float* c, const float* s, int6
 // each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
 // One row of q|k|v at position p: q's heads (with RoPE) to q_out + h * q_stride; k (with RoPE, tiled or not) and v
 // into the caches whose K/V head h starts at kbase/vbase + h * cap * D. With qn/kn each head row is normed first.
-template <typename KV>
+// Q8: K as q8_0 blocks (attend_q8.h: tiled, rows of D codes and D/32 float scales), V float16.
+static inline int64_t q8_width(int64_t D) { return D + D / 8; }
+#if defined(__x86_64__)
+static void k_to_q8(const float* k, int64_t D, uint8_t* tile, int64_t j);  // attend_q8.h
+static bool has_q8_k() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#else
+static void k_to_q8(const float*, int64_t, uint8_t*, int64_t) {}
+static bool has_q8_k() { return false; }
+#endif
+template <typename KV, bool Q8 = false>
 static void rope_one(const float* row, const float* c, const float* s, int64_t D, int64_t nh, int64_t nkv,
-                     const float* qn, const float* kn, double eps, float* q_out, int64_t q_stride, KV* kbase, KV* vbase,
-                     int64_t cap, int64_t p, bool tiled) {
+                     const float* qn, const float* kn, double eps, float* q_out, int64_t q_stride,
+                     std::conditional_t<Q8, uint8_t, KV>* kbase, KV* vbase, int64_t cap, int64_t p, bool tiled) {
   constexpr bool half = std::is_same<KV, at::Half>::value;  // a float16 cache (llama.cpp's): rounded to nearest even
   float normed[256], rotated[256];
   auto head = [&](const float* in, const float* w) -> const float* {
@@ -157,7 +170,10 @@ static void rope_one(const float* row, const float* c, const float* s, int64_t D
     // K tiled: into its tile of 16 positions, d-major (attend's tiled scores); V as ever
     const int64_t kat = tiled ? h * cap * D + p / 16 * 16 * D + p % 16 : at, kstride = tiled ? 16 : 1;
     rope_any(head(row + (nh + h) * D, kn), c, s, D, rotated);
-    if constexpr (half) {
+    if constexpr (Q8) {
+      k_to_q8(rotated, D, kbase + (h * cap + p / 16 * 16) * q8_width(D), p % 16);
+      to_halves(v, vbase + at, D, 1);
+    } else if constexpr (half) {
       to_halves(rotated, kbase + kat, D, kstride);
       to_halves(v, vbase + at, D, 1);
     } else {
@@ -165,6 +181,34 @@ static void rope_one(const float* row, const float* c, const float* s, int64_t D
       std::memcpy(vbase + at, v, D * sizeof(float));
     }
   }
+}
+
+// The caches' kinds: float32 or float16 K and V, or a q8_0 K (uint8, attend_q8.h) with a float16 V
+enum class Caches { F32, F16, Q8K };
+static Caches caches_kind(const at::Tensor& kc, const at::Tensor& vc, int64_t D, bool tiled, const char* op) {
+  if (kc.scalar_type() == at::kByte) {
+    TORCH_CHECK(vc.scalar_type() == at::kHalf && tiled && kc.size(-1) == q8_width(D) && vc.size(-1) == D && has_q8_k(),
+                op, ": a q8_0 K cache takes a float16 V, the tiled layout, rows of D + D/8 bytes and AVX512-VNNI");
+    return Caches::Q8K;
+  }
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
+              op, ": float32 or float16 caches, or a q8_0 K with a float16 V");
+  return kc.scalar_type() == at::kHalf ? Caches::F16 : Caches::F32;
+}
+
+// rope_one into caches of that kind, K and V of the row's slot starting kat / vat elements into them
+static void rope_into(Caches kind, const float* row, const float* c, const float* s, int64_t D, int64_t nh, int64_t nkv,
+                      const float* qn, const float* kn, double eps, float* q_out, int64_t q_stride, const at::Tensor& kc,
+                      const at::Tensor& vc, int64_t kat, int64_t vat, int64_t cap, int64_t p, bool tiled) {
+  if (kind == Caches::Q8K)
+    rope_one<at::Half, true>(row, c, s, D, nh, nkv, qn, kn, eps, q_out, q_stride, kc.data_ptr<uint8_t>() + kat,
+                             vc.data_ptr<at::Half>() + vat, cap, p, tiled);
+  else if (kind == Caches::F16)
+    rope_one<at::Half>(row, c, s, D, nh, nkv, qn, kn, eps, q_out, q_stride, kc.data_ptr<at::Half>() + kat,
+                       vc.data_ptr<at::Half>() + vat, cap, p, tiled);
+  else
+    rope_one<float>(row, c, s, D, nh, nkv, qn, kn, eps, q_out, q_stride, kc.data_ptr<float>() + kat,
+                    vc.data_ptr<float>() + vat, cap, p, tiled);
 }
 
 at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, int64_t start,
@@ -179,21 +223,13 @@ at::Tensor rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
-  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
-              "rope_qkv: float32 or float16 caches");
-  const bool half = kc.scalar_type() == at::kHalf;
+  const Caches kind = caches_kind(kc, vc, D, tiled, "rope_qkv");
   float* qp = q.data_ptr<float>();
   // rows in parallel (each row alone: the same bits)
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *row = xp + t * W, *c = cp + t * D, *s = sp + t * D;
-      if (half)
-        rope_one<at::Half>(row, c, s, D, nh, nkv, qn, kn, eps, qp + t * D, T * D, kc.data_ptr<at::Half>(),
-                           vc.data_ptr<at::Half>(), cap, start + t, tiled);
-      else
-        rope_one<float>(row, c, s, D, nh, nkv, qn, kn, eps, qp + t * D, T * D, kc.data_ptr<float>(), vc.data_ptr<float>(),
-                        cap, start + t, tiled);
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      rope_into(kind, xp + t * W, cp + t * D, sp + t * D, D, nh, nkv, qn, kn, eps, qp + t * D, T * D, kc, vc, 0, 0, cap,
+                start + t, tiled);
   });
   return q;
 }
@@ -211,27 +247,20 @@ at::Tensor rope_slots(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
   TORCH_CHECK(cs.numel() == R * D && sl.numel() == R && ps.numel() == R && D <= 256 && kc.size(1) == nkv,
               "rope_slots: one cos/sin row, slot and position per row");
   TORCH_CHECK(!tiled || cap % 16 == 0, "rope_slots: a tiled K cache holds whole tiles of 16 positions");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-              (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf), "rope_slots: contiguous float32/16 caches");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_slots: contiguous caches");
+  const Caches kind = caches_kind(kc, vc, D, tiled, "rope_slots");
   const int64_t *slp = sl.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(slp[r] >= 0 && slp[r] < S && pp[r] >= 0 && pp[r] < cap, "rope_slots: slot or position out of range");
   auto q = at::empty({R, nh, 1, D}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
-  const bool half = kc.scalar_type() == at::kHalf;
   float* qp = q.data_ptr<float>();
-  const int64_t per_slot = nkv * cap * D;
+  const int64_t k_slot = nkv * cap * kc.size(-1), v_slot = nkv * cap * D;
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *row = xp + r * W, *c = cp + r * D, *s = sp + r * D;
-      if (half)
-        rope_one<at::Half>(row, c, s, D, nh, nkv, qn, kn, eps, qp + r * nh * D, D, kc.data_ptr<at::Half>() + slp[r] * per_slot,
-                           vc.data_ptr<at::Half>() + slp[r] * per_slot, cap, pp[r], tiled);
-      else
-        rope_one<float>(row, c, s, D, nh, nkv, qn, kn, eps, qp + r * nh * D, D, kc.data_ptr<float>() + slp[r] * per_slot,
-                        vc.data_ptr<float>() + slp[r] * per_slot, cap, pp[r], tiled);
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      rope_into(kind, xp + r * W, cp + r * D, sp + r * D, D, nh, nkv, qn, kn, eps, qp + r * nh * D, D, kc, vc,
+                slp[r] * k_slot, slp[r] * v_slot, cap, pp[r], tiled);
   });
   return q;
 }
@@ -619,20 +648,15 @@ static void scores_tiled(const float* const* q, const KV* kt, const KV* vt, cons
 // still, 2 rows 14.5 -> 21 us, 8 rows 43.5 -> 55, 16 rows 83.5 -> 105 (and a 16 KB scratch per call costs a
 // decode row 1.5 us); benchmarks/results/attend_convert_once_zen5.json.
 // TILED: K tiled by 16 keys (scores_tiled); the softmax and values stages are the same either way.
-template <int D, bool W, bool TILED, typename KV>
-static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
-                        const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
+// The softmax and values stages after the scores (s, mx), whatever K the scores came from: o[r] = sum_j
+// softmax(s[r])_j v_j, over chunks of CH keys (each chunk of V from L1 for all R rows).
+template <int D, bool W, typename KV>
+static void weigh_values(float* const* o, const int64_t* n, int R, const KV* vc, float* s, int64_t ss, float* mx,
+                         float* acc) {
   constexpr int64_t CH = D == 64 ? 64 : 32;  // keys per chunk: 16 KB of K (or V), kept in L1 across the rows
   int64_t most = 0;
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
-  std::fill(mx, mx + 16 * R, -INFINITY);
   std::fill(acc, acc + 2 * D * R, 0.0f);
-  if (TILED)
-    scores_tiled<D, W, KV>(q, kc, vc, n, R, scale, s, ss, mx);
-  else
-    for (int64_t c = 0; c < most; c += CH)
-      for (int r = 0; r < R; ++r)
-        if (c < n[r]) (W ? scores16<D, KV> : scores8<D, KV>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
   std::vector<float> inv(R);
   for (int r = 0; r < R; ++r) inv[r] = (W ? weights16 : weights8)(s + r * ss, n[r], mx + 16 * r);
   for (int64_t c = 0; c < most; c += CH) {
@@ -659,10 +683,33 @@ static void attend_rows(const float* const* q, float* const* o, const int64_t* n
   for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
 }
 
-// attend_rows for a head size, lane width and K layout
-template <typename KV>
+template <int D, bool W, bool TILED, typename KV>
+static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
+                        const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
+  constexpr int64_t CH = D == 64 ? 64 : 32;
+  int64_t most = 0;
+  for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
+  std::fill(mx, mx + 16 * R, -INFINITY);
+  if (TILED)
+    scores_tiled<D, W, KV>(q, kc, vc, n, R, scale, s, ss, mx);
+  else
+    for (int64_t c = 0; c < most; c += CH)
+      for (int r = 0; r < R; ++r)
+        if (c < n[r]) (W ? scores16<D, KV> : scores8<D, KV>)(q[r], kc, c, std::min(c + CH, n[r]), n[r], scale, s + r * ss, mx + 16 * r);
+  weigh_values<D, W, KV>(o, n, R, vc, s, ss, mx, acc);
+}
+
+#include "attend_q8.h"
+
+// attend_rows for a head size, lane width and K layout (KT: K's element; uint8: a q8_0 K, AVX-512, tiled)
+using AttendRows8 = void (*)(const float* const*, float* const*, const int64_t*, int, const uint8_t*, const at::Half*,
+                             float, float*, int64_t, float*, float*);
+template <typename KT, typename KV>
 static auto attend_variant(int64_t D, bool wide, bool tiled) {
-  return tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
+  if constexpr (std::is_same<KT, uint8_t>::value)
+    return D == 64 ? (AttendRows8)attend_rows_q8<64> : (AttendRows8)attend_rows_q8<128>;
+  else
+    return tiled ? (D == 64 ? (wide ? attend_rows<64, true, true, KV> : attend_rows<64, false, true, KV>)
                           : (wide ? attend_rows<128, true, true, KV> : attend_rows<128, false, true, KV>))
                : (D == 64 ? (wide ? attend_rows<64, true, false, KV> : attend_rows<64, false, false, KV>)
                           : (wide ? attend_rows<128, true, false, KV> : attend_rows<128, false, false, KV>));
@@ -678,8 +725,8 @@ static auto attend_variant(int64_t D, bool wide, bool tiled) {
 // Tried and dropped on the 2-core Zen 5 (benchmarks/kernel_ab.py, one process, 8-10 alternating rounds; 16th
 // session): 8 rows an item at 16 rows (each K/V read by 2 items instead of 4): 1.008x; the scratch below
 // left unset instead of zeroed: 0.980x and 1.004x for verify-8 in two runs, noise.
-template <typename KV>
-static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
+template <typename KT, typename KV>
+static at::Tensor attend_on(at::Tensor q, const KT* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
                             bool causal, bool tiled) {
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3);
   auto o = at::empty({1, T, nh * D}, q.options());
@@ -688,7 +735,8 @@ static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nk
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t group = nh / nkv, rows = T <= 4 ? T : 4, heads = T <= 4 ? 1 : group;
   const int64_t per_g = (group / heads) * ((T + rows - 1) / rows), ss = (start + T + 31) / 16 * 16;
-  auto run = attend_variant<KV>(D, wide, tiled);
+  auto run = attend_variant<KT, KV>(D, wide, tiled);
+  const int64_t kw = std::is_same<KT, uint8_t>::value ? q8_width(D) : D;  // K's row width in elements
   at::parallel_for(0, nkv * per_g, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = rows * heads;
     std::vector<float> s(most * ss), mx(16 * most), acc(2 * D * most);
@@ -703,7 +751,7 @@ static at::Tensor attend_on(at::Tensor q, const KV* kp, const KV* vp, int64_t nk
         for (int64_t h = h0; h < h0 + heads; ++h, ++R) {
           qs[R] = qp + (h * T + t) * D; os[R] = op + t * nh * D + h * D; ns[R] = causal ? start + t + 1 : start + T;
         }
-      run(qs.data(), os.data(), ns.data(), R, kp + g * cap * D, vp + g * cap * D, scale, s.data(), ss, mx.data(), acc.data());
+      run(qs.data(), os.data(), ns.data(), R, kp + g * cap * kw, vp + g * cap * D, scale, s.data(), ss, mx.data(), acc.data());
     }
   });
   return o;
@@ -712,18 +760,21 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
   TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap && (!tiled || cap % 16 == 0), "attend: shapes");
-  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
-              "attend: float32 or float16 caches");
-  if (kc.scalar_type() == at::kHalf)
-    return attend_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
-  return attend_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal, tiled);
+  const Caches kind = caches_kind(kc, vc, D, tiled, "attend");
+  if (kind == Caches::Q8K) {
+    TORCH_CHECK(wide, "attend: a q8_0 K cache takes the AVX-512 stages");
+    return attend_on<uint8_t, at::Half>(q, kc.data_ptr<uint8_t>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
+  }
+  if (kind == Caches::F16)
+    return attend_on<at::Half, at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
+  return attend_on<float, float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal, tiled);
 }
 
 // Slots (rope_slots): q [R, nh, 1, D], row r one query at position pos[r] over its own cache slot slots[r]
 // (caches [S, nkv, cap, D]) -> o [R, 1, nh * D]. A work item is one row's query heads of one K/V head: they share
 // each loaded tile (a row's bits are its own, as in attend_on, so each equals the runtime's decode step).
-template <typename KV>
-static at::Tensor attend_slots_on(at::Tensor q, const KV* kp, const KV* vp, const int64_t* slp, const int64_t* pp,
+template <typename KT, typename KV>
+static at::Tensor attend_slots_on(at::Tensor q, const KT* kp, const KV* vp, const int64_t* slp, const int64_t* pp,
                                   int64_t nkv, int64_t cap, bool wide, bool tiled) {
   const int64_t R = q.size(0), nh = q.size(1), D = q.size(3), group = nh / nkv;
   auto o = at::empty({R, 1, nh * D}, q.options());
@@ -733,7 +784,8 @@ static at::Tensor attend_slots_on(at::Tensor q, const KV* kp, const KV* vp, cons
   int64_t longest = 0;
   for (int64_t r = 0; r < R; ++r) longest = std::max(longest, pp[r] + 1);
   const int64_t ss = (longest + 31) / 16 * 16;
-  auto run = attend_variant<KV>(D, wide, tiled);
+  auto run = attend_variant<KT, KV>(D, wide, tiled);
+  const int64_t kw = std::is_same<KT, uint8_t>::value ? q8_width(D) : D;
   at::parallel_for(0, R * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(group * ss), mx(16 * group), acc(2 * D * group);
     std::vector<const float*> qs(group);
@@ -745,8 +797,8 @@ static at::Tensor attend_slots_on(at::Tensor q, const KV* kp, const KV* vp, cons
         const int64_t h = g * group + u;
         qs[u] = qp + (r * nh + h) * D; os[u] = op + r * nh * D + h * D; ns[u] = pp[r] + 1;
       }
-      const int64_t base = (slp[r] * nkv + g) * cap * D;
-      run(qs.data(), os.data(), ns.data(), (int)group, kp + base, vp + base, scale, s.data(), ss, mx.data(), acc.data());
+      const int64_t base = (slp[r] * nkv + g) * cap;
+      run(qs.data(), os.data(), ns.data(), (int)group, kp + base * kw, vp + base * D, scale, s.data(), ss, mx.data(), acc.data());
     }
   });
   return o;
@@ -760,11 +812,14 @@ at::Tensor attend_slots(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor s
               "attend_slots: shapes");
   const int64_t *slp = sl.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(slp[r] >= 0 && slp[r] < S && pp[r] >= 0 && pp[r] < cap, "attend_slots: slot or position out of range");
-  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
-              "attend_slots: float32 or float16 caches");
-  if (kc.scalar_type() == at::kHalf)
-    return attend_slots_on<at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
-  return attend_slots_on<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), slp, pp, nkv, cap, wide, tiled);
+  const Caches kind = caches_kind(kc, vc, D, tiled, "attend_slots");
+  if (kind == Caches::Q8K) {
+    TORCH_CHECK(wide, "attend_slots: a q8_0 K cache takes the AVX-512 stages");
+    return attend_slots_on<uint8_t, at::Half>(q, kc.data_ptr<uint8_t>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
+  }
+  if (kind == Caches::F16)
+    return attend_slots_on<at::Half, at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
+  return attend_slots_on<float, float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), slp, pp, nkv, cap, wide, tiled);
 }
 
 #define HAS_ATTEND true
