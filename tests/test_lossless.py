@@ -32,11 +32,12 @@ def test_random_draft_is_lossless(smollm_random, baselines, prompt):
 
 # prompts whose answers run past one block (the int8 default answers "What is 12 times 7?" in 11 tokens)
 @pytest.mark.parametrize("prompt", PROMPTS[::2])
-def test_oracle_draft_accepts_full_blocks_and_stays_lossless(smollm_random, baselines, prompt):
-    base = baselines[prompt]
+def test_oracle_draft_accepts_full_blocks_and_stays_lossless(smollm_random, prompt):
+    # past EOS: MAX_NEW tokens whatever the answer's length, so that several whole blocks are drafted
+    base = smollm_random.generate(prompt, max_new_tokens=MAX_NEW, speculative=False, stop_at_eos=False)
     vocab = smollm_random.target.config.vocab_size
     oracle = OracleDraft(base.prompt_ids + base.token_ids, 16, vocab)
-    spec = with_draft(smollm_random, oracle).generate(prompt, max_new_tokens=MAX_NEW)
+    spec = with_draft(smollm_random, oracle).generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
     assert spec.token_ids == base.token_ids
     # every step but the last accepts the whole block and adds the bonus token
     assert spec.stats.accepted_per_step[:-1] == [15] * (len(spec.stats.accepted_per_step) - 1)

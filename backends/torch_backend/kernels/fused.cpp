@@ -133,13 +133,7 @@ static inline void to_halves(const float* src, at::Half* dst, int64_t n, int64_t
 static inline void rope_any(const float* x, const float* c, const float* s, int64_t D, float* out) { rope_row(x, c, s, D, out); }
 #endif
 
-// qkv [1, T, (nh + 2 nkv) * D] -> q [1, nh, T, D] with RoPE; k (with RoPE) and v written to the caches
-// [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
-// caller: an op's outputs do not alias its inputs). With q_norm/k_norm (Qwen3-style layers: an RMSNorm of
-// each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
-// One row of q|k|v at position p: q's heads (with RoPE) to q_out + h * q_stride; k (with RoPE, tiled or not) and v
-// into the caches whose K/V head h starts at kbase/vbase + h * cap * D. With qn/kn each head row is normed first.
-// Q8: K as q8_0 blocks (attend_q8.h: tiled, rows of D codes and D/32 float scales), V float16.
+// A q8_0 K cache (rope_one<.., true>): K as q8_0 blocks (attend_q8.h: tiled, rows of D codes and D/32 float scales), V float16.
 static inline int64_t q8_width(int64_t D) { return D + D / 8; }
 #if defined(__x86_64__)
 static void k_to_q8(const float* k, int64_t D, uint8_t* tile, int64_t j);  // attend_q8.h
@@ -152,6 +146,14 @@ static bool has_q8_k() {
 static void k_to_q8(const float*, int64_t, uint8_t*, int64_t) {}
 static bool has_q8_k() { return false; }
 #endif
+
+// qkv [1, T, (nh + 2 nkv) * D] -> q [1, nh, T, D] with RoPE; k (with RoPE) and v written to the caches
+// [1, nkv, capacity, D] at positions start..start+T-1 (the caches' views over [0, start+T) are made by the
+// caller: an op's outputs do not alias its inputs). With q_norm/k_norm (Qwen3-style layers: an RMSNorm of
+// each head's row before RoPE, the DFlash drafts among them) each head row is normed first, as norm_row does.
+// One row of q|k|v at position p: q's heads (with RoPE) to q_out + h * q_stride; k (with RoPE, tiled or not) and v
+// into the caches whose K/V head h starts at kbase/vbase + h * cap * D. With qn/kn each head row is normed first.
+// Q8: K as q8_0 blocks into its tile (attend_q8.h), V float16.
 template <typename KV, bool Q8 = false>
 static void rope_one(const float* row, const float* c, const float* s, int64_t D, int64_t nh, int64_t nkv,
                      const float* qn, const float* kn, double eps, float* q_out, int64_t q_stride,
@@ -647,9 +649,8 @@ static void scores_tiled(const float* const* q, const KV* kt, const KV* vt, cons
 // Retried with the 16-lane stages on a Zen 5 EPYC (AVX-512, 2 threads, 512 keys, 2 interleaved rounds): slower
 // still, 2 rows 14.5 -> 21 us, 8 rows 43.5 -> 55, 16 rows 83.5 -> 105 (and a 16 KB scratch per call costs a
 // decode row 1.5 us); benchmarks/results/attend_convert_once_zen5.json.
-// TILED: K tiled by 16 keys (scores_tiled); the softmax and values stages are the same either way.
-// The softmax and values stages after the scores (s, mx), whatever K the scores came from: o[r] = sum_j
-// softmax(s[r])_j v_j, over chunks of CH keys (each chunk of V from L1 for all R rows).
+// The softmax and values stages after the scores (s, mx), whatever K the scores came from (attend_rows,
+// attend_rows_q8): o[r] = sum_j softmax(s[r])_j v_j, over chunks of CH keys (each chunk of V from L1 for all R rows).
 template <int D, bool W, typename KV>
 static void weigh_values(float* const* o, const int64_t* n, int R, const KV* vc, float* s, int64_t ss, float* mx,
                          float* acc) {
@@ -683,6 +684,7 @@ static void weigh_values(float* const* o, const int64_t* n, int R, const KV* vc,
   for (int r = 0; r < R; ++r) (W ? finish16<D> : finish8<D>)(acc + 2 * D * r, inv[r], o[r]);
 }
 
+// TILED: K tiled by 16 keys (scores_tiled); the softmax and values stages are the same either way.
 template <int D, bool W, bool TILED, typename KV>
 static void attend_rows(const float* const* q, float* const* o, const int64_t* n, int R, const KV* kc,
                         const KV* vc, float scale, float* s, int64_t ss, float* mx, float* acc) {
