@@ -1,5 +1,5 @@
 // A K cache of q8_0 blocks (llama.cpp's `-ctk q8_0`), its scores by integer dot products: included by fused.cpp
-// (x86-64 only; it uses that file's Ahead, weigh_values and at::Half), where its callers choose it by the cache's
+// (x86-64 only; it uses that file's Ahead, store_tiles16, weigh_values and at::Half), where its callers choose it by the cache's
 // dtype (uint8). Why: a verify block's attention is bound by its float multiply-adds (16 rows x 9 heads x 512 keys
 // x 64 dims, twice), not by its bytes; the scores' half as int8 x int8 dot products (vpdpbusd: 64 multiply-adds an
 // instruction, a float fma 16) costs ~0.36x (benchmarks/attend_rows.py). V stays float16, the weights and values
@@ -87,17 +87,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8tiles(const
       }
     }
   }
-  for (int r = 0; r < RG; ++r) {
-    __m512 m = _mm512_loadu_ps(mx[r]);
-    for (int u = 0; u < TB; ++u) {
-      const int64_t j = (t + u) * 16, left = n[r] - j;
-      const __m512 sc = _mm512_mul_ps(f[r][u], _mm512_set1_ps(scale));
-      _mm512_storeu_ps(s[r] + j, sc);
-      const __mmask16 real = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-      m = _mm512_mask_max_ps(m, real, m, sc);
-    }
-    _mm512_storeu_ps(mx[r], m);
-  }
+  store_tiles16<RG, TB>(f, t, scale, n, s, mx);
 }
 
 // tiles at once: enough independent chains for a lone row, within the 32 registers for six (measured on the

@@ -534,6 +534,24 @@ struct Ahead {
   }
 };
 
+// RG rows x TB tiles of raw scores (tiles from t) times scale into s[r], each row's maximum over its real keys (lanes
+// at keys >= n[r] are stored but kept out of it; the weights stages zero them)
+template <int RG, int TB>
+__attribute__((target("avx512f"), always_inline)) static inline void store_tiles16(const __m512 (&acc)[RG][TB], int64_t t, float scale,
+                                                                                   const int64_t* n, float* const* s, float* const* mx) {
+  for (int r = 0; r < RG; ++r) {
+    __m512 m = _mm512_loadu_ps(mx[r]);
+    for (int b = 0; b < TB; ++b) {
+      const int64_t j = (t + b) * 16, left = n[r] - j;
+      const __m512 sc = _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s[r] + j, sc);
+      const __mmask16 real = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+      m = _mm512_mask_max_ps(m, real, m, sc);
+    }
+    _mm512_storeu_ps(mx[r], m);
+  }
+}
+
 // ---- scores over a K cache tiled by 16 keys (rope_qkv with tiled=true: key j's d-th value at
 // (j/16)*16*D + d*16 + j%16). A tile's 16 scores for one row are then the 16 lanes of one chain of D fmas over
 // d in order: no transposing tree, and a tile loaded (and converted) once serves a group of rows from
@@ -557,17 +575,7 @@ __attribute__((target("avx512f"))) static void tiles16(const float* const* q, co
       for (int b = 0; b < TB; ++b) acc[r][b] = _mm512_fmadd_ps(qd, kv[b], acc[r][b]);
     }
   }
-  for (int r = 0; r < RG; ++r) {
-    __m512 m = _mm512_loadu_ps(mx[r]);
-    for (int b = 0; b < TB; ++b) {
-      const int64_t j = (t + b) * 16, left = n[r] - j;
-      const __m512 sc = _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale));
-      _mm512_storeu_ps(s[r] + j, sc);
-      const __mmask16 real = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-      m = _mm512_mask_max_ps(m, real, m, sc);
-    }
-    _mm512_storeu_ps(mx[r], m);
-  }
+  store_tiles16<RG, TB>(acc, t, scale, n, s, mx);
 }
 
 // the same chains 8 lanes at a time (a tile is two vectors), fewer rows and tiles at once: 16 registers
