@@ -460,58 +460,43 @@ __attribute__((target("avx512f"))) static void values16(const float* s, const KV
   for (int d = 0; d < D; d += 16) { _mm512_storeu_ps(acc + d, ev[d / 16]); _mm512_storeu_ps(acc + D + d, od[d / 16]); }
 }
 
-// values16 for two rows at once over the same keys [j0, j1) (j0, j1 even; D = 64): each V row loaded and
-// converted once for both, and each row's fmas the very ones values16 takes, in its order (bitwise the same)
-template <typename KV>
-__attribute__((target("avx512f"))) static void values16x2(const float* s0, const float* s1, const KV* vc, int64_t j0,
-                                                          int64_t j1, float* acc0, float* acc1) {
+// values16 for RR rows (2-6) at once over the same keys [j0, j1) (j0, j1 even; D = 64): each V row loaded and
+// converted once for all RR rows, the even keys in one pass and the odd keys in another, so each row's two chains
+// are values16's, in its order (bitwise the same); 4 RR accumulators and a key's 4 vectors fit the 32 registers.
+// A verify's item holds 12 query rows (4 tokens x 3 heads of a K/V head): two passes of six. Measured alone on
+// the 2-core Zen 5 (12 rows x 512 keys, float16 V): 3.4-3.5 us for sixes or fours, 3.6 for threes, against 3.9-4.2
+// for the triples that interleaved both parities in one pass (~77% of the fma peak: their 24 chains and 8
+// conversions a key pair left the fma ports idle); one row alone keeps values16's interleaved chains (latency).
+template <int RR, typename KV>
+__attribute__((target("avx512f"))) static void values16_rows(const float* const* s, const KV* vc, int64_t j0, int64_t j1,
+                                                             float* const* acc) {
   constexpr int D = 64;
-  __m512 e0[4], o0[4], e1[4], o1[4];
-  for (int d = 0; d < 4; ++d) {
-    e0[d] = _mm512_loadu_ps(acc0 + 16 * d); o0[d] = _mm512_loadu_ps(acc0 + D + 16 * d);
-    e1[d] = _mm512_loadu_ps(acc1 + 16 * d); o1[d] = _mm512_loadu_ps(acc1 + D + 16 * d);
-  }
-  for (int64_t j = j0; j < j1; j += 2) {
-    const __m512 a0 = _mm512_set1_ps(s0[j]), b0 = _mm512_set1_ps(s0[j + 1]);
-    const __m512 a1 = _mm512_set1_ps(s1[j]), b1 = _mm512_set1_ps(s1[j + 1]);
-    for (int d = 0; d < 4; ++d) {
-      const __m512 va = load16(vc + j * D + 16 * d), vb = load16(vc + (j + 1) * D + 16 * d);
-      e0[d] = _mm512_fmadd_ps(a0, va, e0[d]); o0[d] = _mm512_fmadd_ps(b0, vb, o0[d]);
-      e1[d] = _mm512_fmadd_ps(a1, va, e1[d]); o1[d] = _mm512_fmadd_ps(b1, vb, o1[d]);
+  for (int parity = 0; parity < 2; ++parity) {
+    __m512 a[RR][4];
+    for (int r = 0; r < RR; ++r)
+      for (int d = 0; d < 4; ++d) a[r][d] = _mm512_loadu_ps(acc[r] + parity * D + 16 * d);
+    for (int64_t j = j0 + parity; j < j1; j += 2) {
+      __m512 v[4];
+      for (int d = 0; d < 4; ++d) v[d] = load16(vc + j * D + 16 * d);
+      for (int r = 0; r < RR; ++r) {
+        const __m512 w = _mm512_set1_ps(s[r][j]);
+        for (int d = 0; d < 4; ++d) a[r][d] = _mm512_fmadd_ps(w, v[d], a[r][d]);
+      }
     }
-  }
-  for (int d = 0; d < 4; ++d) {
-    _mm512_storeu_ps(acc0 + 16 * d, e0[d]); _mm512_storeu_ps(acc0 + D + 16 * d, o0[d]);
-    _mm512_storeu_ps(acc1 + 16 * d, e1[d]); _mm512_storeu_ps(acc1 + D + 16 * d, o1[d]);
+    for (int r = 0; r < RR; ++r)
+      for (int d = 0; d < 4; ++d) _mm512_storeu_ps(acc[r] + parity * D + 16 * d, a[r][d]);
   }
 }
 
-// values16 for three rows at once (D = 64): one key's V row loaded and converted once for the three, each row's
-// fmas the very ones values16 takes, in its order (bitwise the same); 24 accumulators and the key's 4 vectors
-// fit the 32 registers, the weights folded into the fmas as broadcasts. A verify's item holds 12 query rows
-// (4 tokens x 3 heads of a K/V head): 4 triples convert each V row 4 times instead of the pairs' 6.
 template <typename KV>
-__attribute__((target("avx512f"))) static void values16x3(const float* const* s, const KV* vc, int64_t j0, int64_t j1,
-                                                          float* const* acc) {
-  constexpr int D = 64;
-  __m512 e[3][4], o[3][4];
-  for (int r = 0; r < 3; ++r)
-    for (int d = 0; d < 4; ++d) { e[r][d] = _mm512_loadu_ps(acc[r] + 16 * d); o[r][d] = _mm512_loadu_ps(acc[r] + D + 16 * d); }
-  for (int64_t j = j0; j < j1; j += 2) {
-    __m512 v[4];
-    for (int d = 0; d < 4; ++d) v[d] = load16(vc + j * D + 16 * d);
-    for (int r = 0; r < 3; ++r) {
-      const __m512 w = _mm512_set1_ps(s[r][j]);
-      for (int d = 0; d < 4; ++d) e[r][d] = _mm512_fmadd_ps(w, v[d], e[r][d]);
-    }
-    for (int d = 0; d < 4; ++d) v[d] = load16(vc + (j + 1) * D + 16 * d);
-    for (int r = 0; r < 3; ++r) {
-      const __m512 w = _mm512_set1_ps(s[r][j + 1]);
-      for (int d = 0; d < 4; ++d) o[r][d] = _mm512_fmadd_ps(w, v[d], o[r][d]);
-    }
+static void values16_group(int rg, const float* const* s, const KV* vc, int64_t j0, int64_t j1, float* const* acc) {
+  switch (rg) {
+    case 2: values16_rows<2, KV>(s, vc, j0, j1, acc); break;
+    case 3: values16_rows<3, KV>(s, vc, j0, j1, acc); break;
+    case 4: values16_rows<4, KV>(s, vc, j0, j1, acc); break;
+    case 5: values16_rows<5, KV>(s, vc, j0, j1, acc); break;
+    default: values16_rows<6, KV>(s, vc, j0, j1, acc); break;
   }
-  for (int r = 0; r < 3; ++r)
-    for (int d = 0; d < 4; ++d) { _mm512_storeu_ps(acc[r] + 16 * d, e[r][d]); _mm512_storeu_ps(acc[r] + D + 16 * d, o[r][d]); }
 }
 
 template <int D>
@@ -670,21 +655,22 @@ static void weigh_values(float* const* o, const int64_t* n, int R, const KV* vc,
   for (int r = 0; r < R; ++r) inv[r] = (W ? weights16 : weights8)(s + r * ss, n[r], mx + 16 * r);
   for (int64_t c = 0; c < most; c += CH) {
     int r = 0;
-    if (W && D == 64)  // rows in threes over their common even span, then each row's own rest
-      for (; r + 2 < R; r += 3) {
-        const int64_t both = c + std::max<int64_t>(0, std::min({c + CH, n[r], n[r + 1], n[r + 2]}) - c) / 2 * 2;
-        const float* sr[3] = {s + r * ss, s + (r + 1) * ss, s + (r + 2) * ss};
-        float* ar[3] = {acc + 2 * D * r, acc + 2 * D * (r + 1), acc + 2 * D * (r + 2)};
-        if (both > c) values16x3<KV>(sr, vc, c, both, ar);
-        for (int u = r; u < r + 3; ++u)
+    if (W && D == 64)  // rows up to six at a time over their common even span, then each row's own rest
+      while (R - r >= 2) {
+        const int rg = std::min(6, R - r);
+        int64_t common = c + CH;
+        const float* sr[6];
+        float* ar[6];
+        for (int u = 0; u < rg; ++u) {
+          common = std::min(common, n[r + u]);
+          sr[u] = s + (r + u) * ss;
+          ar[u] = acc + 2 * D * (r + u);
+        }
+        const int64_t both = c + std::max<int64_t>(0, common - c) / 2 * 2;
+        if (both > c) values16_group<KV>(rg, sr, vc, c, both, ar);
+        for (int u = r; u < r + rg; ++u)
           if (both < std::min(c + CH, n[u])) values16<D, KV>(s + u * ss, vc, both, std::min(c + CH, n[u]), acc + 2 * D * u);
-      }
-    if (W && D == 64)  // rows in pairs over their common even span, then each row's own rest
-      for (; r + 1 < R; r += 2) {
-        const int64_t both = c + std::max<int64_t>(0, std::min({c + CH, n[r], n[r + 1]}) - c) / 2 * 2;
-        if (both > c) values16x2<KV>(s + r * ss, s + (r + 1) * ss, vc, c, both, acc + 2 * D * r, acc + 2 * D * (r + 1));
-        for (int u = r; u < r + 2; ++u)
-          if (both < std::min(c + CH, n[u])) values16<D, KV>(s + u * ss, vc, both, std::min(c + CH, n[u]), acc + 2 * D * u);
+        r += rg;
       }
     for (; r < R; ++r)
       if (c < n[r]) (W ? values16<D, KV> : values8<D, KV>)(s + r * ss, vc, c, std::min(c + CH, n[r]), acc + 2 * D * r);
