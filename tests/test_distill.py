@@ -177,3 +177,25 @@ def test_cli_asks_for_what_it_needs(capsys):
     assert "--distill DIR" in capsys.readouterr().err
     assert main(["train-draft", "--distill", "somewhere"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_int8_answers_name_their_k_cache_and_are_never_mixed(tmp_path, default_folder):
+    """The int8 generator's K cache follows the runtime's (q8_0 blocks where the CPU has AVX512-VNNI, else float16;
+    HETERO_SD_KV=float16 passes k_q8=False): the manifest names a q8_0 K, so a store made with the other cache is
+    refused, not extended."""
+    from hetero_sd.backends.torch_backend.cpu import cpu_flags
+    from hetero_sd.backends.torch_backend.plan import Q8_K_FLAGS
+
+    out, prompts = tmp_path / "int8", word_prompts(2)
+    generate_shards(default_folder, out, max_new_tokens=4, max_prompt_tokens=32, slots=2, prompts=prompts,
+                    dtype="int8", k_q8=False, log=lambda _: None)
+    assert json.loads((out / "manifest.json").read_text())["decoding"] == "greedy, int8"
+    if not Q8_K_FLAGS <= cpu_flags():
+        pytest.skip("no q8_0 K cache on this CPU (it needs AVX512-VNNI)")
+    with pytest.raises(ConfigError, match="HETERO_SD_KV=float16"):
+        generate_shards(default_folder, out, max_new_tokens=4, max_prompt_tokens=32, slots=2, prompts=prompts,
+                        dtype="int8", log=lambda _: None)
+    generate_shards(default_folder, tmp_path / "q8", max_new_tokens=4, max_prompt_tokens=32, slots=2, prompts=prompts,
+                    dtype="int8", log=lambda _: None)
+    assert json.loads((tmp_path / "q8" / "manifest.json").read_text())["decoding"] == "greedy, int8, q8_0 K"

@@ -220,6 +220,8 @@ def test_batched_int8_generation_gives_the_runtimes_own_greedy_answers(default_f
         assert gen.notes and "torch's ops" in gen.notes[0]
         pytest.skip("the fused C++ attention is not available on this CPU (announced in gen.notes)")
     assert gen.kv_dtype == rt.target.cache.dtype and gen.notes == []
+    assert gen.k_q8 == rt.target.cache.k_q8 and gen.k_dtype == rt.target.cache.k[0].dtype  # the runtime's K cache
+    assert not BatchedGenerator(default_folder, slots=2, numerics="int8", k_q8=False).k_q8  # (HETERO_SD_KV=float16)
     texts = ("The capital of France is", "def add(a, b):", "Water boils at", "Name three colors.", "Say hi.")
     prompts = [(str(i), chat_ids(rt.tokenizer, t)) for i, t in enumerate(texts)]
     answers = {a.key: a for a in gen.generate(prompts)}

@@ -323,6 +323,7 @@ def cmd_draft_lookup(args) -> None:
 def cmd_train_draft(args) -> None:
     from hetero_sd.train.command import train_command
     train_args(args)  # numbers, --data and --out, before any target loads
+    args.k_q8 = policy_from_env().k_q8  # the data generator's K cache follows the runtime's (HETERO_SD_KV)
     if args.data:
         from hetero_sd.loading.sources import resolve_target
         train_vocab(args.data, resolve_target(args.target))

@@ -9,7 +9,7 @@ every decode step does useful work for nearly every slot.
 The forward is the target's own (backends/torch_backend/target.py: TargetModel, the module the runtime
 runs). Two plans:
 - `numerics="int8"`, the default CPU target of a GGUF, on the runtime's own plan and kernels (int8 rows x its
-  GGUF blocks, the fused C++ layer ops, a float16 K/V cache tiled as the runtime keeps it): a prompt is
+  GGUF blocks, the fused C++ layer ops, the K/V cache the runtime keeps: q8_0 K or float16, tiled): a prompt is
   prefilled alone through the runtime's one-call layer walk into its slot, and a decode step is ONE call for
   every slot's row (kernels/fused.cpp `layers` with slots: each row its own RoPE position and its own slot's
   attention, which takes the very steps a decode step of that sequence alone takes). The answers are then
@@ -21,7 +21,7 @@ runs). Two plans:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -56,8 +56,10 @@ class BatchedGenerator:
 
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
                  stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32, numerics: str = FLOAT32,
-                 fused: bool = True):
-        """fused=False: the int8 plan on torch's ops (the slower path before the slot kernels; comparisons)."""
+                 fused: bool = True, k_q8: bool = True):
+        """fused=False: the int8 plan on torch's ops (the slower path before the slot kernels; comparisons).
+        k_q8=False: the int8 plan's K cache in float16 where the runtime's default keeps q8_0 blocks (the runtime
+        loaded with HETERO_SD_KV=float16); `self.k_q8` says which one the answers come from."""
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
         self.cfg, self.slots, self.max_new, self.max_prompt = cfg, slots, max_new_tokens, max_prompt_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
@@ -67,7 +69,7 @@ class BatchedGenerator:
             if gguf is None:
                 raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
                                   "is not one", "use --dtype float32, or the GGUF target")
-            policy = BLOCKS if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
+            policy = replace(BLOCKS, k_q8=k_q8) if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
             plan = plan_target(cfg, gguf, "cpu", torch.float32, INT8, policy, cpu_flags())
         else:
             plan = plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
@@ -79,7 +81,8 @@ class BatchedGenerator:
             self.notes.append("batched int8 generation on torch's ops: the fused C++ attention is not available here "
                               f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
         self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
-        self.k_width, self.k_dtype = k_layout(cfg.head_dim, self.kv_dtype, self.fused and plan.k_q8)
+        self.k_q8 = self.fused and plan.k_q8
+        self.k_width, self.k_dtype = k_layout(cfg.head_dim, self.kv_dtype, self.k_q8)
         self.positions = -(-(max_prompt_tokens + max_new_tokens) // 16) * 16  # whole tiles (the tiled K cache)
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
 

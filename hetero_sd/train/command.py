@@ -153,7 +153,7 @@ def distill_rows(target: Path, folders: list[Path], args: argparse.Namespace) ->
     record = generate_shards(target, folder, max_new_tokens=args.max_new_tokens or 256, prompts=prompts,
                              max_prompt_tokens=args.max_prompt_tokens, slots=args.gen_batch_size, seed=args.mix_seed,
                              turns=args.sharegpt_turns, limit=args.prompts, progress=folder / "progress.json",
-                             dtype=args.gen_dtype,
+                             dtype=args.gen_dtype, k_q8=getattr(args, "k_q8", True),
                              log=lambda line: err.print(line, highlight=False, soft_wrap=True))
     err.print(f"self-distillation: {record}", highlight=False, soft_wrap=True)
     return []

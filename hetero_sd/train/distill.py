@@ -67,7 +67,8 @@ def open_manifest(folder: Path, manifest: dict, holds: str, fix: str) -> Path:
 
 class ShardStore:
     def __init__(self, folder: Path, manifest: dict):
-        self.folder = open_manifest(folder, manifest, "answers", "use the stored settings or another folder")
+        self.folder = open_manifest(folder, manifest, "answers", "use the stored settings (the int8 target's K cache: "
+                                    "HETERO_SD_KV=float16 where the store says no q8_0 K) or another folder")
         self.manifest = manifest
 
     @classmethod
@@ -140,11 +141,14 @@ def windows(prompts: list[TrainPrompt], tokenizer, size: int, max_tokens: int, c
 def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256, max_prompt_tokens: int = 384,
                     slots: int = 32, seed: int = 0, turns: str = "first", limit: int | None = None,
                     flush_rows: int = 512, flush_seconds: float = 900.0, progress: Path | None = None,
-                    prompts: list[TrainPrompt] | None = None, dtype: str = "float32", log=print) -> dict:
+                    prompts: list[TrainPrompt] | None = None, dtype: str = "float32", k_q8: bool = True,
+                    log=print) -> dict:
     """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record.
     dtype "bfloat16" is ~2x faster here (AMX) but its greedy answers leave float32's at near-ties
     (benchmarks/results/datagen_speed.json): labels of a slightly different model. "int8": the answers of the
-    default CPU target of a GGUF (int8 rows x its blocks), on that target's kernels."""
+    default CPU target of a GGUF (int8 rows x its blocks), on that target's kernels, with its K cache as q8_0
+    blocks where the CPU has AVX512-VNNI (k_q8=False: float16); the manifest names the q8_0 K, so that a store
+    is never extended with the other cache's answers."""
     from transformers import AutoTokenizer
 
     from hetero_sd.models.config import ArchConfig, read_json
@@ -153,8 +157,13 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
     stops = runtime_stop_ids(cfg, tokenizer, target_folder)
-    manifest = manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns, dtype=dtype,
-                            max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens)
+    gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
+                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops,
+                           dtype=torch.float32 if dtype == "int8" else getattr(torch, dtype),
+                           numerics="int8" if dtype == "int8" else "float32", k_q8=k_q8)
+    manifest = manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns,
+                            dtype=dtype + ", q8_0 K" * gen.k_q8, max_new_tokens=max_new_tokens,
+                            max_prompt_tokens=max_prompt_tokens)
     store = ShardStore(out, manifest)
     info: dict = {"given": len(prompts)} if prompts is not None else {}
     if prompts is None:
@@ -164,10 +173,6 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     todo = [p for p in prompts if p.key not in done]
     log(f"mix: {info}; {len(done)} answered before, {len(todo)} to answer")
     counts = {"too_long": 0}
-    gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
-                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops,
-                           dtype=torch.float32 if dtype == "int8" else getattr(torch, dtype),
-                           numerics="int8" if dtype == "int8" else "float32")
     meter = Meter(len(prompts), len(done), progress, counts)
     stop_on_term()
     buffer: list[Answer] = []
