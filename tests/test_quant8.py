@@ -232,10 +232,12 @@ def test_batched_int8_generation_gives_the_runtimes_own_greedy_answers(default_f
         assert answers[key].finished == (ref[-1] in rt.stop_ids)
 
 @pytest.mark.slow
-def test_training_features_of_the_int8_target(default_folder):
+def test_training_features_of_the_int8_target(default_folder, tmp_path):
     """--feature-numerics int8: the trainer's features come from the runtime's default CPU target (int8 rows x
     the GGUF blocks), close to the float32 target's (a draft reads them alike: benchmarks/features_numerics.py)
-    but not the same numbers."""
+    but not the same numbers; a store on disk names the target's K cache when it is q8_0 blocks."""
+    import json
+
     from hetero_sd.train.trainer import FeatureCache
 
     ids = list(range(1000, 1040))
@@ -244,3 +246,6 @@ def test_training_features_of_the_int8_target(default_folder):
     a, b = (got[n].compute(ids)[0].float() for n in ("float32", "int8"))
     assert a.shape == b.shape == (40, 2 * 576) and not torch.equal(a, b)
     assert (a - b).norm() < 0.05 * a.norm()
+    on_disk = FeatureCache(default_folder, [1, 8], budget_bytes=0, numerics="int8", disk=tmp_path / "f")
+    kind = "int8, q8_0 K" if on_disk.target.cache.k_q8 else "int8"
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["numerics"] == kind

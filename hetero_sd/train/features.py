@@ -42,7 +42,7 @@ def token_crc(ids) -> int:
 
 def store_manifest(target_folder: Path, layer_ids: list[int], width: int, numerics: str = "float32") -> dict:
     """numerics: the target's rows, float32 (the stores so far: no key) or int8 (the runtime's default CPU
-    target); a store holds one kind."""
+    target; "int8, q8_0 K" with its K cache as q8_0 blocks); a store holds one kind."""
     config = (Path(target_folder) / "config.json").read_bytes()
     return {"format": FORMAT, "target": Path(target_folder).name,
             "target_config_sha1": hashlib.sha1(config).hexdigest(),

@@ -94,9 +94,11 @@ class FeatureCache:
             self.batched = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32).to(device).eval()
         self.store: OrderedDict[int, tuple] = OrderedDict()
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
-        # On disk: features only (soft labels need the target's logits, so they run the target anyway).
+        # On disk: features only (soft labels need the target's logits, so they run the target anyway). A store
+        # holds one target's: the int8 target with a q8_0 K cache (the default on CPUs with AVX512-VNNI) is named so.
+        kind = numerics + ", q8_0 K" * bool(getattr(getattr(self.target, "cache", None), "k_q8", False))
         self.disk = None if disk is None or top_k else FeatureStore.for_target(
-            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size, numerics)
+            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size, kind)
         self.computed, self.compute_cpu_s = 0, 0.0  # target forwards run, and their CPU seconds
 
     def __call__(self, index: int, tokens: list[int], key: str | None = None) -> torch.Tensor:
