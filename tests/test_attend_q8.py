@@ -149,3 +149,6 @@ def test_a_q8_0_cache_is_refused_where_it_cannot_be_read(ext):  # noqa: F811
         ext.attend(q, kc, vc.float(), 0, True, True, True)  # a float32 V
     with pytest.raises(RuntimeError, match="q8_0 K cache takes"):
         ext.attend(q, kc, vc, 0, True, True, False)  # K in rows, not tiled
+    k80, v80 = torch.zeros(1, 2, 32, 90, dtype=torch.uint8), torch.zeros(1, 2, 32, 80, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="whole blocks of 32"):  # a head of 80: no whole q8_0 blocks
+        ext.rope(torch.randn(1, 1, 6 * 80), torch.ones(1, 80), torch.zeros(1, 80), k80, v80, 0, 2, 2, None, None, 0.0, True)

@@ -189,8 +189,10 @@ static void rope_one(const float* row, const float* c, const float* s, int64_t D
 enum class Caches { F32, F16, Q8K };
 static Caches caches_kind(const at::Tensor& kc, const at::Tensor& vc, int64_t D, bool tiled, const char* op) {
   if (kc.scalar_type() == at::kByte) {
-    TORCH_CHECK(vc.scalar_type() == at::kHalf && tiled && kc.size(-1) == q8_width(D) && vc.size(-1) == D && has_q8_k(),
-                op, ": a q8_0 K cache takes a float16 V, the tiled layout, rows of D + D/8 bytes and AVX512-VNNI");
+    TORCH_CHECK(vc.scalar_type() == at::kHalf && tiled && D % 32 == 0 && D <= 256 && kc.size(-1) == q8_width(D) &&
+                    vc.size(-1) == D && has_q8_k(),
+                op, ": a q8_0 K cache takes a float16 V, the tiled layout, a head of whole blocks of 32, rows of D + D/8 "
+                "bytes and AVX512-VNNI");
     return Caches::Q8K;
   }
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf),
