@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 import hetero_sd
-from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.cli.policy import policy_from_env
+from hetero_sd.errors import ConfigError
 from hetero_sd.decoding.costs import fill_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,9 +55,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")
-    policies = {"float16": LoadPolicy(k_q8=False), "float32": LoadPolicy(kv_f16=False), "q8_0": LoadPolicy(k_q8=True)}
-    if not set(kinds) <= set(policies):
-        raise SystemExit(f"--kinds: one or more of {', '.join(policies)}")
+    try:  # each kind as HETERO_SD_KV names it
+        policies = {name: policy_from_env({"HETERO_SD_KV": name}) for name in kinds}
+    except ConfigError as e:
+        raise SystemExit(f"--kinds: {e}")
     targets = {name: hetero_sd.load("default", None, policy=policies[name]).target for name in kinds}
     k_dtypes = {"float16": torch.float16, "float32": torch.float32, "q8_0": torch.uint8}
     for name, t in targets.items():  # the kind asked for, not a fallback

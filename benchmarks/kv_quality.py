@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 import hetero_sd
-from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.cli.policy import policy_from_env
 from hetero_sd.prompts import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
 
-POLICIES = {"float32": LoadPolicy(kv_f16=False), "float16": LoadPolicy(k_q8=False), "q8_0": LoadPolicy(k_q8=True)}
+POLICIES = {kind: policy_from_env({"HETERO_SD_KV": kind}) for kind in ("float32", "float16", "q8_0")}  # as HETERO_SD_KV names them
 
 
 def main() -> None:

@@ -8,11 +8,9 @@ threads' work; a memory-bound decode step scales by the bus, not the cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,17 +20,14 @@ from hetero_sd.decoding.costs import fill_context, fill_ids, step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_ab import lscpu  # noqa: E402
+from timing import median, options  # noqa: E402
+
+OPTIONS = {"--ks": (str, "1,8,16"), "--threads": (str, "1,2"), "--context": (int, 512), "--rounds": (int, 6),
+           "--reps": (int, 25), "--json": (str, None)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ks", default="1,8,16")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = options(OPTIONS)
     counts = [int(t) for t in args.threads.split(",")]
     target = hetero_sd.load("default", None).target
     fill_context(target, None, args.context)
@@ -46,14 +41,9 @@ def main() -> None:
         for r in range(args.rounds):
             for t in (counts if r % 2 == 0 else counts[::-1]):
                 torch.set_num_threads(t)
-                for _ in range(5):
+                for _ in range(4):  # (and median's own warm-up call: the new thread count's team is up)
                     step(target, base, ids, k > 1)
-                times = []
-                for _ in range(args.reps):
-                    began = time.perf_counter()
-                    step(target, base, ids, k > 1)
-                    times.append(time.perf_counter() - began)
-                ms[t].append(statistics.median(times) * 1e3)
+                ms[t].append(median(lambda: step(target, base, ids, k > 1), args.reps) * 1e3)
         med = {t: statistics.median(v) for t, v in ms.items()}
         name = "decode" if k == 1 else f"verify {k}"
         out["ms"][name] = {str(t): round(v, 3) for t, v in med.items()}

@@ -723,6 +723,17 @@ static auto attend_variant(int64_t D, bool wide, bool tiled) {
 // Tried and dropped on the 2-core Zen 5 (benchmarks/kernel_ab.py, one process, 8-10 alternating rounds; 16th
 // session): 8 rows an item at 16 rows (each K/V read by 2 items instead of 4): 1.008x; the scratch below
 // left unset instead of zeroed: 0.980x and 1.004x for verify-8 in two runs, noise.
+// f(K, V) with the caches' own element pointers (uint8 for a q8_0 K: the AVX-512 stages only)
+template <typename F>
+static at::Tensor on_caches(Caches kind, const at::Tensor& kc, const at::Tensor& vc, bool wide, const char* op, F&& f) {
+  if (kind == Caches::Q8K) {
+    TORCH_CHECK(wide, op, ": a q8_0 K cache takes the AVX-512 stages");
+    return f(kc.data_ptr<uint8_t>(), vc.data_ptr<at::Half>());
+  }
+  if (kind == Caches::F16) return f(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
+  return f(kc.data_ptr<float>(), vc.data_ptr<float>());
+}
+
 template <typename KT, typename KV>
 static at::Tensor attend_on(at::Tensor q, const KT* kp, const KV* vp, int64_t nkv, int64_t cap, int64_t start, bool wide,
                             bool causal, bool tiled) {
@@ -758,14 +769,9 @@ at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, int64_t start, boo
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "attend: contiguous q and caches");
   const int64_t nh = q.size(1), T = q.size(2), D = q.size(3), nkv = kc.size(1), cap = kc.size(2);
   TORCH_CHECK((D == 64 || D == 128) && nh % nkv == 0 && start + T <= cap && (!tiled || cap % 16 == 0), "attend: shapes");
-  const Caches kind = caches_kind(kc, vc, D, tiled, "attend");
-  if (kind == Caches::Q8K) {
-    TORCH_CHECK(wide, "attend: a q8_0 K cache takes the AVX-512 stages");
-    return attend_on<uint8_t, at::Half>(q, kc.data_ptr<uint8_t>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
-  }
-  if (kind == Caches::F16)
-    return attend_on<at::Half, at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), nkv, cap, start, wide, causal, tiled);
-  return attend_on<float, float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), nkv, cap, start, wide, causal, tiled);
+  return on_caches(caches_kind(kc, vc, D, tiled, "attend"), kc, vc, wide, "attend", [&](auto kp, auto vp) {
+    return attend_on(q, kp, vp, nkv, cap, start, wide, causal, tiled);
+  });
 }
 
 // Slots (rope_slots): q [R, nh, 1, D], row r one query at position pos[r] over its own cache slot slots[r]
@@ -810,14 +816,9 @@ at::Tensor attend_slots(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor s
               "attend_slots: shapes");
   const int64_t *slp = sl.data_ptr<int64_t>(), *pp = ps.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(slp[r] >= 0 && slp[r] < S && pp[r] >= 0 && pp[r] < cap, "attend_slots: slot or position out of range");
-  const Caches kind = caches_kind(kc, vc, D, tiled, "attend_slots");
-  if (kind == Caches::Q8K) {
-    TORCH_CHECK(wide, "attend_slots: a q8_0 K cache takes the AVX-512 stages");
-    return attend_slots_on<uint8_t, at::Half>(q, kc.data_ptr<uint8_t>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
-  }
-  if (kind == Caches::F16)
-    return attend_slots_on<at::Half, at::Half>(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), slp, pp, nkv, cap, wide, tiled);
-  return attend_slots_on<float, float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), slp, pp, nkv, cap, wide, tiled);
+  return on_caches(caches_kind(kc, vc, D, tiled, "attend_slots"), kc, vc, wide, "attend_slots", [&](auto kp, auto vp) {
+    return attend_slots_on(q, kp, vp, slp, pp, nkv, cap, wide, tiled);
+  });
 }
 
 #define HAS_ATTEND true
