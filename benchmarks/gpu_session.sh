@@ -5,6 +5,8 @@
 # the machine must stay warm between the two calls (30 s).
 #   here:   PY=.venv/bin/python bash benchmarks/gpu_session.sh pack  # .lease/a (GGUF part 1, gguf wheel), .lease/b (part 2, init draft, rows)
 #   call 1: bash benchmarks/gpu_session.sh stash        # carry .lease/a (~60 MB): part 1 into /tmp, nvidia-smi (~40 s with the start)
+#           (&& bash benchmarks/gpu_session.sh profile: a step timed per attention group and loss chunk; the
+#           fastest becomes call 2's --attention-group/--ce-chunk)
 #   call 2, AT ONCE: LAYERS="4 2" MINUTES=8 TRAIN_S=560 bash benchmarks/gpu_session.sh train   # carry .lease/b; timeout_s 590
 #           (PACK sequences per forward and ACCUMULATE per step: 8 and 8; LR 2.5e-4; LAYERS 4 grown from the init draft)
 #   call 3, if >= ~2 minutes are left: TEST_S=100 bash benchmarks/gpu_session.sh tests   # tests/test_cuda.py
@@ -50,6 +52,17 @@ stash)  # call 1: part 1 of the GGUF kept in /tmp for call 2, the wheel installe
     setup $LEASE
     { nvidia-smi; "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt"
     ;;
+profile)  # after stash, same call: a step timed per split-attention group and loss chunk on the GPU itself
+    # (benchmarks/train_step_profile.py); the fastest becomes the train call's default (/tmp/lease/best.env)
+    stage profile
+    setup $LEASE
+    L=${LAYERS:-4}; L=${L%% *}
+    timeout "${PROFILE_S:-150}" "$PY" benchmarks/train_step_profile.py --device "${DEVICE:-cuda}" --layers "$L" \
+        --pack "${PACK:-32}" --forwards $(( ${ACCUMULATE:-64} / ${PACK:-32} )) --groups "${ATT_GROUPS:-32,256,1024}" \
+        --chunks "${CHUNKS:-1024,16384}" --steps 3 --out "$OUT/step_profile.json" --trace "$OUT/step_profile.txt" || exit 1
+    "$PY" -c "import json, sys; f = json.load(open(sys.argv[1]))['fastest']; print(f'ATTENTION_GROUP={f[\"group\"]} CE_CHUNK={f[\"chunk\"]}')" \
+        "$OUT/step_profile.json" | tee $LEASE/best.env
+    ;;
 tests)  # call 3 (what device time is left): nothing carried
     stage tests
     setup $LEASE
@@ -63,6 +76,7 @@ train)
     setup .lease/b
     stage train: rows
     xz -dc .lease/b/rows.npz.xz > $LEASE/rows.npz && "$PY" benchmarks/lease_rows.py unpack $LEASE/rows.npz $LEASE/rows.jsonl || exit 1
+    [ -z "${ATTENTION_GROUP:-}" ] && [ -f $LEASE/best.env ] && . $LEASE/best.env  # the profile's choice, unless set here
     # one run per draft depth in LAYERS (e.g. "4 2"), side by side on the one GPU (these small drafts leave it
     # mostly idle between launches): each its own folder and home, each back as model parts and one tarball
     for L in ${LAYERS:-4}; do
@@ -71,7 +85,7 @@ train)
         ( HETERO_SD_HOME=$LEASE/home$L timeout "${TRAIN_S:-540}" "$PY" -m hetero_sd.cli train-draft --target $LEASE/target.gguf \
             --data $LEASE/rows.jsonl --out $RUN --init-from .lease/b/init --layers "$L" --block-size 8 --gamma 2 --short-blocks 0.5 \
             --steps 1000000 --minutes "${MINUTES:-7}" --lr "${LR:-2.5e-4}" --accumulate "${ACCUMULATE:-8}" --pack "${PACK:-8}" --vocab-frequent 8192 \
-            --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" > $LEASE/train$L.log ) &
+            --attention-group "${ATTENTION_GROUP:-0}" --ce-chunk "${CE_CHUNK:-0}" --held-out 256 --eval-every "${EVAL:-250}" --device "${DEVICE:-cuda}" 2>&1 | tr '\r' '\n' | grep -v "━" > $LEASE/train$L.log ) &
     done
     wait
     for L in ${LAYERS:-4}; do
@@ -83,5 +97,5 @@ train)
         tail -2 $RUN/log.jsonl; tail -3 $LEASE/train$L.log
     done
     ;;
-*) echo "usage: gpu_session.sh pack|tests|train" >&2; exit 2 ;;
+*) echo "usage: gpu_session.sh pack|stash|profile|train|tests" >&2; exit 2 ;;
 esac

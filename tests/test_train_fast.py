@@ -264,5 +264,9 @@ def test_packed_sequences_in_the_split_forward_are_each_computed_alone(tiny_llam
                        torch.cat(short), torch.cat([torch.full_like(a, o) for a, o in zip(anchors, offsets)]))
         leaky = split(torch.cat(features), torch.cat(tokens), torch.cat([a + o for a, o in zip(anchors, offsets)]),
                       torch.cat(short))
+        one_group = SplitForward(model, group=1000)(  # a GPU's large group: one span over all three sequences
+            torch.cat(features), torch.cat(tokens), torch.cat([a + o for a, o in zip(anchors, offsets)]),
+            torch.cat(short), torch.cat([torch.full_like(a, o) for a, o in zip(anchors, offsets)]))
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one_group, alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(leaky[4:], alone[4:], atol=1e-3)  # without starts the later sequences see the first

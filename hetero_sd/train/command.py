@@ -69,6 +69,11 @@ def add_parser(sub) -> None:
     t.add_argument("--attention", choices=["auto", "split", "dense"], default="auto",
                    help="split: block-vs-context + within-block attention (train/fast.py); dense: one masked "
                         "matrix (other draft formats); auto: split where it applies")
+    t.add_argument("--attention-group", type=int, default=0, metavar="N",
+                   help="blocks per context group of the split attention (0: 32 on the CPU, 256 on a GPU, "
+                        "where small groups make a step launch-bound)")
+    t.add_argument("--ce-chunk", type=int, default=0, metavar="N",
+                   help="rows per chunk of the chunked cross-entropy (0: 1024 on the CPU, 16384 on a GPU)")
     t.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
                    help="the target's rows for the draft's features: float32, or int8 (the runtime's default CPU "
                         "target of a GGUF, ~4x fewer CPU-seconds); a --feature-cache holds one kind")
@@ -206,6 +211,7 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       vocab=args.vocab, soft=args.soft, soft_top_k=args.soft_top_k,
                       snapshots=args.snapshots, init=init_folder(args.init_from) if args.init_from else "target",
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
+                      attention_group=args.attention_group, ce_chunk=args.ce_chunk,
                       feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent,
                       feature_numerics=args.feature_numerics, minutes=args.minutes)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")

@@ -32,6 +32,14 @@ import torch.nn.functional as F
 from hetero_sd.backends.torch_backend.layers import Rope, apply_rope, rms_norm
 
 GROUP = 32  # blocks per context group: measured on the 2-core EPYC (see benchmarks/TRAINING.md)
+# On a GPU a group of 32 is a dozen tiny kernels: ~190 groups a layer for 32 packed sequences made a step
+# launch-bound. Larger groups waste masked scores (a group's keys span up to its last anchor) that a GPU
+# computes for less than the launches cost (benchmarks/train_step_profile.py measured the choice).
+GPU_GROUP = 256
+
+
+def default_group(device) -> int:
+    return GROUP if torch.device(device).type == "cpu" else GPU_GROUP
 
 
 def supports(cfg) -> bool:
@@ -46,8 +54,8 @@ class SplitForward:
     returns. lengths [n] (default all B): each block's length, 2..B. starts [n]: sequences packed end to end
     (`--pack`), each anchor's sequence start (default: one sequence)."""
 
-    def __init__(self, model, group: int = GROUP):
-        self.model, self.group = model, group
+    def __init__(self, model, group: int | None = None):
+        self.model, self.group = model, group or default_group(model.device)
         arch = model.cfg.arch
         self.arch, self.eps = arch, arch.rms_norm_eps
         self.nh, self.nkv, self.hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
@@ -83,8 +91,15 @@ class SplitForward:
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]  # [n, 1, B, hd]
         # keys past a short block's length: out of its attention ([n, B], True = hidden)
         cut = None if lengths is None else torch.arange(b, device=dev)[None, :] >= lengths.to(dev)[order][:, None]
+        # each group's key span [lo, hi) (its blocks' earliest sequence start, its latest anchor), read once for
+        # all layers: one host sync a forward, not two per group and layer
+        group_of = torch.arange(n, device=dev) // self.group
+        groups = -(-n // self.group)
+        lo = starts_sorted.new_zeros(groups).scatter_reduce(0, group_of, starts_sorted, "amin", include_self=False)
+        hi = anchors_sorted.new_zeros(groups).scatter_reduce(0, group_of, anchors_sorted, "amax", include_self=False)
+        spans = torch.stack([lo, hi], 1).tolist()
         for i in range(self.arch.num_hidden_layers):
-            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted, cut, starts_sorted)
+            h = self.layer(i, h, context, ctx_cos, ctx_sin, cos, sin, anchors_sorted, cut, starts_sorted, spans)
         out = rms_norm(h[:, 1:], self.w("norm.weight"), self.eps)
         return out[torch.argsort(order)]  # back to the caller's anchor order
 
@@ -92,7 +107,7 @@ class SplitForward:
         key = f"{name}.weight"
         return rms_norm(x, self.w(key), self.eps) if key in self.names else x
 
-    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors, cut=None, starts=None):
+    def layer(self, i, h, context, ctx_cos, ctx_sin, cos, sin, anchors, cut, starts, spans):
         p = f"layers.{i}."
         n, b, hid = h.shape
         wq, wk, wv = (self.w(p + f"self_attn.{x}_proj.weight") for x in "qkv")
@@ -105,13 +120,13 @@ class SplitForward:
         k = self.qk_norm((x @ wk.t()).view(n, b, self.nkv, self.hd).transpose(1, 2), p + "self_attn.k_norm")
         v = (x @ wv.t()).view(n, b, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [n, heads, B, hd]
-        o = self.attention(q, k, v, kc, vc, anchors, cut, starts)  # [n, nh, B, hd]
+        o = self.attention(q, k, v, kc, vc, anchors, cut, starts, spans)  # [n, nh, B, hd]
         h = h + o.transpose(1, 2).reshape(n, b, -1) @ self.w(p + "self_attn.o_proj.weight").t()
         x = rms_norm(h, self.w(p + "post_attention_layernorm.weight"), self.eps)
         gate, up = x @ self.w(p + "mlp.gate_proj.weight").t(), x @ self.w(p + "mlp.up_proj.weight").t()
         return h + (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").t()
 
-    def attention(self, q, k, v, kc, vc, anchors, cut=None, starts=None):
+    def attention(self, q, k, v, kc, vc, anchors, cut, starts, spans):
         """Each block's queries over [its context prefix | its own block], groups of blocks at a time (sorted
         by anchor: packed sequences stay apart but for a group at a boundary, whose keys span both).
         GQA: the query heads sharing a K/V head are laid out kv-major ([nkv, group, ...]) and multiply that
@@ -122,11 +137,9 @@ class SplitForward:
         qg = q.reshape(n, self.nkv, g * b, hd)  # heads kv-major: query head j uses K/V head j // g
         kb, vb = k, v  # [n, nkv, B, hd]
         outs = []
-        for first in range(0, n, self.group):
+        for first, (lo, hi) in zip(range(0, n, self.group), spans):  # keys lo..hi-1 cover the group's blocks
             sl = slice(first, min(first + self.group, n))
             qs, a = qg[sl], anchors[sl]
-            lo = 0 if starts is None else int(starts[sl].min())
-            hi = int(a.max())  # keys lo..hi-1 cover every block of the group
             span = hi - lo
             ctx_scores = torch.einsum("nkqd,ksd->nkqs", qs, kc[:, lo:hi]) * scale  # [m, nkv, g*B, span]
             key = torch.arange(lo, hi, device=q.device)[None, :]

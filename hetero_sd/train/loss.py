@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 CHUNK = 1024  # rows per chunk: ~40 MB of logits at a 10k vocabulary
+GPU_CHUNK = 16384  # a GPU holds 0.6 GB of logits easily, and a 1024-row chunk is a launch-bound loop there
+
+
+def default_chunk(device) -> int:
+    return CHUNK if torch.device(device).type == "cpu" else GPU_CHUNK
 
 
 class _ChunkedCE(torch.autograd.Function):

@@ -30,7 +30,7 @@ from hetero_sd.models.draft_format import SHORT_BLOCKS
 
 from .fast import SplitForward, supports
 from .features import FeatureStore
-from .loss import chunked_cross_entropy
+from .loss import chunked_cross_entropy, default_chunk
 from .model import TrainingDraft, TrainingVocab
 
 
@@ -62,6 +62,8 @@ class TrainConfig:
     device: str = "cpu"  # "cpu", "cuda" or "mps": where the draft trains and the target makes features
     autocast: str = "auto"  # "bf16", "off", or "auto": bf16 where the device computes it natively
     attention: str = "auto"  # "split" (train/fast.py), "dense" (one masked matrix), auto: split where it applies
+    attention_group: int = 0  # blocks per context group of the split attention (0: train/fast.py's per device)
+    ce_chunk: int = 0  # rows per chunk of the chunked cross-entropy (0: train/loss.py's per device)
     feature_cache: str | None = None  # a folder: target features kept on disk across epochs and runs
     feature_numerics: str = "float32"  # the target's rows for features: float32, or int8 (the runtime's CPU default)
     # a wall-clock budget (a lent GPU's lease): the cosine runs over these minutes instead of `steps`, and the
@@ -364,7 +366,7 @@ def make_batch(rows: list[dict], count: int, rng: random.Random, anchors: int, f
 
 
 def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | None = None, soft: float = 0.0,
-            split: SplitForward | None = None):
+            split: SplitForward | None = None, chunk: int = 0):
     """Cross-entropy at each block position, weighted by position; with the batch's teacher (the target's
     top-k log-probs and ids per position) and soft > 0, mixed with the cross-entropy against the target's
     own distribution there, renormalised over its top k (soft labels, as DFlash's training recipe allows).
@@ -379,7 +381,8 @@ def loss_fn(model: TrainingDraft, batch: Batch, weights, vocab: TrainingVocab | 
     if split is not None and not (batch.teacher is not None and soft > 0):
         hard_labels = labels if vocab is None else vocab.labels(labels)
         w = weights.expand_as(labels) * (hard_labels != -100)
-        total = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head, hard_labels.flatten(), w.flatten())
+        total = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head, hard_labels.flatten(), w.flatten(),
+                                      chunk or default_chunk(model.device))
         return total / w.sum().clamp_min(1e-9)
     logits = model.logits(hidden, head)
     logq = logits.float().log_softmax(-1)
@@ -536,23 +539,14 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
                 group["lr"] = cfg.lr * lr_factor(step, cfg, spent)
         last_step = step + 1 == cfg.steps or spent >= 1
         lr = optim.param_groups[0]["lr"]
-        total, blocks = 0.0, 0
         counts = [min(per_forward, cfg.accumulate - first) for first in range(0, cfg.accumulate, per_forward)]
         batches = [make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device, cfg.block_size,
                               cfg.short_blocks) for count in counts]
         if vocab is not None:  # after the batches: the step's labels join a frequent-tokens vocabulary
             vocab.draw(rng, torch.cat([block_labels(b.tokens, b.anchors, cfg.block_size, b.ends).flatten()
                                        for b in batches]) if cfg.vocab_frequent else None)
-        for count, batch in zip(counts, batches):
-            blocks += int(batch.anchors.shape[0])
-            with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss = loss_fn(model, batch, weights, vocab, cfg.soft, split) * count / cfg.accumulate
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        total, blocks = optimizer_step(model, optim, counts, batches, weights, vocab, split, cfg, autocast)
         schedule.step()
-        optim.zero_grad(set_to_none=True)
         blocks_total += blocks
         record = {"step": step + 1, "loss": total, "lr": lr, "elapsed_s": time.perf_counter() - began,
                   "cpu_s": time.process_time() - cpu0,  # CPU seconds: the compute, whatever else ran
@@ -575,6 +569,23 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     return {"draft": str(out), "history": cfg.history, "notes": notes}
 
 
+def optimizer_step(model, optim, counts, batches, weights, vocab, split, cfg: TrainConfig, autocast) -> tuple[float, int]:
+    """One step over its packed forwards (`counts` sequences each): gradients accumulated, clipped, applied.
+    Returns the step's loss and its blocks. (benchmarks/train_step_profile.py times this same function.)"""
+    total, blocks = 0.0, 0
+    device = model.device.type
+    for count, batch in zip(counts, batches):
+        blocks += int(batch.anchors.shape[0])
+        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = loss_fn(model, batch, weights, vocab, cfg.soft, split, cfg.ce_chunk) * count / cfg.accumulate
+        loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return total, blocks
+
+
 def lr_factor(step: int, cfg: TrainConfig, spent: float | None = None) -> float:
     """Linear warm-up over `warmup` steps, then cosine decay to 0 at `steps` (LambdaLR's multiplier), or over
     the time budget when `spent` (its share used, --minutes) is given."""
@@ -591,7 +602,7 @@ def attention_path(model: TrainingDraft, cfg: TrainConfig) -> SplitForward | Non
                           "use --attention dense (or auto)")
     if cfg.attention == "dense" or not supports(model.cfg):
         return None  # (training.json's notes name the path taken)
-    return SplitForward(model)
+    return SplitForward(model, cfg.attention_group or None)
 
 
 def load_checkpoint(path: Path) -> dict:
