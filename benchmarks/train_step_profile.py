@@ -107,14 +107,21 @@ def main() -> None:
                               gamma=2, short_blocks=0.5, attention_group=group, ce_chunk=chunk, device=device)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            step(cfg)  # warm-up
             times = []
-            for _ in range(args.steps):
-                sync(device)
-                t0 = time.perf_counter()
-                step(cfg)
-                sync(device)
-                times.append(time.perf_counter() - t0)
+            try:
+                step(cfg)  # warm-up
+                for _ in range(args.steps):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    step(cfg)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+            except torch.OutOfMemoryError as e:  # a large group's scores: recorded, the others still timed
+                optim.zero_grad(set_to_none=True)
+                print(json.dumps({"group": group, "chunk": chunk, "error": str(e).splitlines()[0]}), flush=True)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             med = statistics.median(times)
             row = {"group": group, "chunk": chunk, "step_s": round(med, 4), "steps_s": [round(t, 4) for t in times],
                    "blocks_per_s": round(blocks / med, 1)}
