@@ -269,7 +269,9 @@ static Codes& kept_codes() { static thread_local Codes codes; return codes; }
 // process, 8 alternating rounds, bitwise the same; 16th session): chunks claimed from an atomic counter as the
 // threads come free (libgomp's spin was ~1/4 of a decode step's samples): 1.03-1.16x SLOWER (decode and verify,
 // 3 or 4 chunks a thread, prefetch clamped to the chunk or not); each thread's first 24 blocks requested
-// together before its tiles (the prefetch starts only at the tiles): 0.997-1.005x.
+// together before its tiles (the prefetch starts only at the tiles): 0.997-1.005x. Each thread streaming its own
+// half front to back and, done early, taking the other half's last tiles back to front (one CAS a tile, 19th
+// session, kernel_ab.py --rev HEAD, 8 rounds): decode 1.06x, verify-8 1.17x, verify-16 1.07x SLOWER.
 // x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
 // x [..., K] float32 (made contiguous here) -> y [..., n], the shapes handled here as quant.qgemm does
 at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int64_t amx_rows, int64_t n) {
