@@ -22,6 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hetero_sd.cli.policy import policy_from_env  # noqa: E402
+from hetero_sd.errors import ConfigError  # noqa: E402
 from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import ArchConfig, read_json  # noqa: E402
 from hetero_sd.train.command import init_folder  # noqa: E402
@@ -39,7 +41,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16, help="the block the floor and every draft are replayed at")
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
-    ap.add_argument("--feature-cache", default="/work/train-out/features")
+    ap.add_argument("--feature-cache", help="the features' store (default: /work/train-out/features for float32, "
+                    "/work/train-out/heldout-int8-<K cache> for int8: a store holds one kind)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
                     help="the target's rows for the features (int8: the runtime's; its own --feature-cache)")
@@ -51,6 +54,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    k_q8 = policy_from_env().k_q8  # int8 features: the runtime's K cache (HETERO_SD_KV)
+    if args.feature_cache is None:
+        args.feature_cache = "/work/train-out/features" if args.feature_numerics == "float32" else \
+            f"/work/train-out/heldout-int8-{'q8k' if k_q8 else 'f16k'}"
     target = resolve_target("default")
     rows = load_distilled(Path(args.distill), target)
     held, rest = split_held_out(rows, args.held_out, 0)
@@ -72,7 +79,7 @@ def main() -> None:
             tcfg = ArchConfig.from_dict(read_json(target / "config.json"))
             features = FeatureCache(target, raw["dflash_config"]["target_layer_ids"], budget_bytes=0,
                                     disk=Path(args.feature_cache) if args.feature_cache else None,
-                                    numerics=args.feature_numerics)
+                                    numerics=args.feature_numerics, k_q8=k_q8)
         result[name] = draft_tau(Path(folder), features, held, args.max_tokens, args.block_size, args.lookup)
     if features is not None and features.disk is not None:
         features.disk.flush()
@@ -94,4 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as e:  # e.g. a --feature-cache of another kind of features
+        sys.exit(f"error: {e}")

@@ -180,10 +180,10 @@ def test_cli_asks_for_what_it_needs(capsys):
 
 
 @pytest.mark.slow
-def test_int8_answers_name_their_k_cache_and_are_never_mixed(tmp_path, default_folder):
+def test_int8_answers_name_their_k_cache_and_are_never_mixed(tmp_path, default_folder, monkeypatch):
     """The int8 generator's K cache follows the runtime's (q8_0 blocks where the CPU has AVX512-VNNI, else float16;
     HETERO_SD_KV=float16 passes k_q8=False): the manifest names a q8_0 K, so a store made with the other cache is
-    refused, not extended."""
+    refused, not extended, and before the target's weights load."""
     from hetero_sd.backends.torch_backend.cpu import cpu_flags
     from hetero_sd.backends.torch_backend.plan import Q8_K_FLAGS
 
@@ -193,7 +193,12 @@ def test_int8_answers_name_their_k_cache_and_are_never_mixed(tmp_path, default_f
     assert json.loads((out / "manifest.json").read_text())["decoding"] == "greedy, int8"
     if not Q8_K_FLAGS <= cpu_flags():
         pytest.skip("no q8_0 K cache on this CPU (it needs AVX512-VNNI)")
-    with pytest.raises(ConfigError, match="HETERO_SD_KV=float16"):
+    from hetero_sd.train import batched
+
+    def no_target(*a, **k):
+        raise AssertionError("the target loaded before the store was checked")
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match="HETERO_SD_KV=float16"):
+        m.setattr(batched, "build_target", no_target)
         generate_shards(default_folder, out, max_new_tokens=4, max_prompt_tokens=32, slots=2, prompts=prompts,
                         dtype="int8", log=lambda _: None)
     generate_shards(default_folder, tmp_path / "q8", max_new_tokens=4, max_prompt_tokens=32, slots=2, prompts=prompts,

@@ -248,4 +248,18 @@ def test_training_features_of_the_int8_target(default_folder, tmp_path):
     assert (a - b).norm() < 0.05 * a.norm()
     on_disk = FeatureCache(default_folder, [1, 8], budget_bytes=0, numerics="int8", disk=tmp_path / "f")
     kind = "int8, q8_0 K" if on_disk.target.cache.k_q8 else "int8"
-    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["numerics"] == kind
+    assert on_disk.kind == kind and json.loads((tmp_path / "f" / "manifest.json").read_text())["numerics"] == kind
+    # HETERO_SD_KV=float16 (train-draft passes k_q8=False down): a float16 K cache, a store of its own kind
+    f16 = FeatureCache(default_folder, [1, 8], budget_bytes=0, numerics="int8", k_q8=False, disk=tmp_path / "g")
+    assert not f16.target.cache.k_q8 and f16.kind == "int8"
+    if kind != "int8":
+        from hetero_sd.errors import ConfigError
+        with pytest.raises(ConfigError, match="made differently"):
+            FeatureCache(default_folder, [1, 8], budget_bytes=0, numerics="int8", disk=tmp_path / "g")
+    # --cache-features names its store as the trainer's FeatureCache does (it once named it "int8" whatever the K)
+    import argparse
+    from hetero_sd.train.command import cache_features
+    rows = [{"index": 0, "key": "k0", "prompt_ids": [5, 6, 7], "response_ids": list(range(1000, 1008))}]
+    cache_features(default_folder, rows, argparse.Namespace(layers=2, device="cpu", feature_cache=str(tmp_path / "h"),
+                                                            feature_numerics="int8", init_from=None))
+    assert json.loads((tmp_path / "h" / "manifest.json").read_text())["numerics"] == kind

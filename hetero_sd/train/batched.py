@@ -64,15 +64,7 @@ class BatchedGenerator:
         self.cfg, self.slots, self.max_new, self.max_prompt = cfg, slots, max_new_tokens, max_prompt_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
         self.dtype, self.notes = dtype, []
-        if numerics == INT8:
-            gguf = converted_from(folder)
-            if gguf is None:
-                raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
-                                  "is not one", "use --dtype float32, or the GGUF target")
-            policy = replace(BLOCKS, k_q8=k_q8) if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
-            plan = plan_target(cfg, gguf, "cpu", torch.float32, INT8, policy, cpu_flags())
-        else:
-            plan = plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
+        plan = self.plan(folder, cfg, dtype, numerics, fused, k_q8)
         self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, plan)
         plan = self.model.plan
         # slots on the runtime's fused kernels: one C++ call per decode step (int8 rows need every row's bits alone)
@@ -82,9 +74,27 @@ class BatchedGenerator:
                               f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
         self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
         self.k_q8 = self.fused and plan.k_q8
+        assert self.k_q8 == self.answers_k_q8(plan, numerics), "the plan's K cache changed as the target was built"
         self.k_width, self.k_dtype = k_layout(cfg.head_dim, self.kv_dtype, self.k_q8)
         self.positions = -(-(max_prompt_tokens + max_new_tokens) // 16) * 16  # whole tiles (the tiled K cache)
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
+
+    @staticmethod
+    def plan(folder: Path, cfg: ArchConfig, dtype: torch.dtype, numerics: str, fused: bool = True, k_q8: bool = True):
+        """The weight plan the generator loads the target with (plan.py), known before any weight loads."""
+        if numerics == INT8:
+            gguf = converted_from(folder)
+            if gguf is None:
+                raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
+                                  "is not one", "use --dtype float32, or the GGUF target")
+            policy = replace(BLOCKS, k_q8=k_q8) if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
+            return plan_target(cfg, gguf, "cpu", torch.float32, INT8, policy, cpu_flags())
+        return plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
+
+    @staticmethod
+    def answers_k_q8(plan, numerics: str) -> bool:
+        """Whether answers made on this plan come from a q8_0 K cache (only the slots' fused kernels keep one)."""
+        return numerics == INT8 and plan.fused and plan.attend and plan.k_q8
 
     # -- the forward pass: the target module's, with the slots' attention -----------------------------
 

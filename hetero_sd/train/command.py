@@ -189,8 +189,10 @@ def cache_features(target: Path, rows: list[dict], args: argparse.Namespace) -> 
     layer_ids = feature_layers(tcfg.num_hidden_layers, args.layers,
                                init=Path(init_folder(args.init_from)) if args.init_from else None)
     folder = Path(args.feature_cache)
-    store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size, args.feature_numerics)
-    features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device, numerics=args.feature_numerics)
+    features = FeatureCache(target, layer_ids, budget_bytes=0, device=args.device, numerics=args.feature_numerics,
+                            k_q8=getattr(args, "k_q8", True))
+    # the store named as the features are made (an int8 target's q8_0 K cache included), as the trainer opens it
+    store = FeatureStore.for_target(folder, target, layer_ids, len(layer_ids) * tcfg.hidden_size, features.kind)
     fill(store, rows, lambda ids: features.compute(ids)[0], progress=folder / "progress.json",
          log=lambda line: err.print(line, highlight=False, soft_wrap=True))
 
@@ -213,7 +215,7 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
                       pack=args.pack, device=args.device, autocast=args.autocast, attention=args.attention,
                       attention_group=args.attention_group, ce_chunk=args.ce_chunk,
                       feature_cache=args.feature_cache, held_out=args.held_out, vocab_frequent=args.vocab_frequent,
-                      feature_numerics=args.feature_numerics, minutes=args.minutes)
+                      feature_numerics=args.feature_numerics, k_q8=getattr(args, "k_q8", True), minutes=args.minutes)
     err.print(f"training on {len(rows)} sequences ({sum(len(r['response_ids']) for r in rows)} response tokens)")
     with bar("train-draft") as p:
         task = p.add_task("", total=cfg.steps)

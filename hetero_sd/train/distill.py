@@ -157,14 +157,16 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
     stops = runtime_stop_ids(cfg, tokenizer, target_folder)
-    gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
-                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops,
-                           dtype=torch.float32 if dtype == "int8" else getattr(torch, dtype),
-                           numerics="int8" if dtype == "int8" else "float32", k_q8=k_q8)
+    torch_dtype, numerics = torch.float32 if dtype == "int8" else getattr(torch, dtype), "int8" if dtype == "int8" else "float32"
+    # the store is checked against the answers' kind (its K cache included) before the target loads
+    answers_k_q8 = BatchedGenerator.answers_k_q8(BatchedGenerator.plan(target_folder, cfg, torch_dtype, numerics, k_q8=k_q8), numerics)
     manifest = manifest_for(target_folder, tokenizer, cfg.vocab_size, stops, seed=seed, turns=turns,
-                            dtype=dtype + ", q8_0 K" * gen.k_q8, max_new_tokens=max_new_tokens,
+                            dtype=dtype + ", q8_0 K" * answers_k_q8, max_new_tokens=max_new_tokens,
                             max_prompt_tokens=max_prompt_tokens)
     store = ShardStore(out, manifest)
+    gen = BatchedGenerator(target_folder, slots=slots, max_new_tokens=max_new_tokens,
+                           max_prompt_tokens=max_prompt_tokens, stop_ids=stops, dtype=torch_dtype, numerics=numerics,
+                           k_q8=k_q8)
     info: dict = {"given": len(prompts)} if prompts is not None else {}
     if prompts is None:
         prompts, info = training_mix(seed, turns=turns)

@@ -16,12 +16,13 @@ import random
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hetero_sd.backends.policy import DEFAULT as DEFAULT_POLICY
 from hetero_sd.backends.torch_backend import load_target
 from hetero_sd.errors import ConfigError
 from hetero_sd.models.config import ArchConfig, fallback_layer_ids, read_json
@@ -66,6 +67,7 @@ class TrainConfig:
     ce_chunk: int = 0  # rows per chunk of the chunked cross-entropy (0: train/loss.py's per device)
     feature_cache: str | None = None  # a folder: target features kept on disk across epochs and runs
     feature_numerics: str = "float32"  # the target's rows for features: float32, or int8 (the runtime's CPU default)
+    k_q8: bool = True  # int8 features: the K cache as q8_0 blocks where the CPU has VNNI (HETERO_SD_KV, passed down)
     # a wall-clock budget (a lent GPU's lease): the cosine runs over these minutes instead of `steps`, and the
     # run ends with an evaluation and a save when they are spent (or at `steps`, whichever comes first)
     minutes: float | None = None
@@ -82,14 +84,18 @@ class FeatureCache:
     seen only a few times, so recomputing costs little over caching."""
 
     def __init__(self, target_folder: Path, layer_ids: list[int], budget_bytes: int = 4 << 30, top_k: int = 0,
-                 device: str = "cpu", disk: Path | None = None, numerics: str = "float32", batched: bool = False):
+                 device: str = "cpu", disk: Path | None = None, numerics: str = "float32", batched: bool = False,
+                 k_q8: bool = True):
         """numerics "int8": the features of the runtime's default CPU target of a GGUF (int8 rows x its blocks:
         ~4.4x fewer CPU-seconds per sequence than float32 rows on the 2-core Zen 5; a draft reads them alike,
         benchmarks/features_numerics.py); kept in a store of their own. batched (float32 features, no soft
         labels): `prefetch` computes a step's new sequences in one padded forward of transformers' model of the
-        target (on a GPU one sequence per forward is launch-bound; on the CPU our own target is faster)."""
+        target (on a GPU one sequence per forward is launch-bound; on the CPU our own target is faster).
+        k_q8: the int8 target's K cache as q8_0 blocks where the CPU has AVX512-VNNI, as the runtime's default
+        (False: float16, as the runtime under HETERO_SD_KV=float16); `kind` names what the features come from."""
         cfg = ArchConfig.from_dict(read_json(target_folder / "config.json"))
-        self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids, activations=numerics)
+        self.target = load_target(target_folder, cfg, device, torch.float32, layer_ids, activations=numerics,
+                                  policy=replace(DEFAULT_POLICY, k_q8=k_q8))
         self.layer_ids, self.batched = list(layer_ids), None
         if batched and numerics == "float32" and not top_k:
             from transformers import AutoModelForCausalLM
@@ -98,9 +104,9 @@ class FeatureCache:
         self.budget, self.bytes, self.top_k = budget_bytes, 0, top_k
         # On disk: features only (soft labels need the target's logits, so they run the target anyway). A store
         # holds one target's: the int8 target with a q8_0 K cache (the default on CPUs with AVX512-VNNI) is named so.
-        kind = numerics + ", q8_0 K" * bool(getattr(getattr(self.target, "cache", None), "k_q8", False))
+        self.kind = numerics + ", q8_0 K" * bool(getattr(getattr(self.target, "cache", None), "k_q8", False))
         self.disk = None if disk is None or top_k else FeatureStore.for_target(
-            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size, kind)
+            Path(disk), target_folder, layer_ids, len(layer_ids) * cfg.hidden_size, self.kind)
         self.computed, self.compute_cpu_s = 0, 0.0  # target forwards run, and their CPU seconds
 
     def __call__(self, index: int, tokens: list[int], key: str | None = None) -> torch.Tensor:
@@ -487,7 +493,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     device, autocast = train_device(cfg.device, cfg.autocast)
     features = FeatureCache(target_folder, layer_ids, top_k=cfg.soft_top_k if cfg.soft > 0 else 0, device=device,
                             disk=Path(cfg.feature_cache) if cfg.feature_cache else None,
-                            numerics=cfg.feature_numerics, batched=device != "cpu")
+                            numerics=cfg.feature_numerics, batched=device != "cpu", k_q8=cfg.k_q8)
     model = TrainingDraft(raw, features.target.embed, features.target.lm_head.t())
     split = attention_path(model, cfg)
     if cfg.short_blocks and split is None:
