@@ -121,9 +121,13 @@ def test_trained_draft_loads_and_decodes_losslessly(tmp_path, tiny_llama, self_d
         assert spec.token_ids == rt.generate(row["prompt_ids"], max_new_tokens=30, speculative=False).token_ids
 
 
-def test_resume_continues_exactly(tmp_path, tiny_llama, self_distilled):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_resume_continues_exactly(tmp_path, tiny_llama, self_distilled, prefetch):
+    """Interrupted and resumed, a run trains what it trains straight; with the next step's batches drawn on a
+    helper thread (a GPU's default, forced here) too: the same batches, the same weights, bit for bit."""
     cfg = dict(steps=12, eval_every=4)
     straight = train(tiny_llama, self_distilled, tmp_path / "a", small_config(**cfg))
+    cfg["prefetch"] = prefetch
 
     def stop_at_8(record):
         if record["step"] == 8:
