@@ -110,6 +110,7 @@ TRAIN = [
     (["--prompts", "-3"], "--prompts must be >= 1"), (["--accumulate", "0"], "--accumulate must be >= 1"),
     (["--data", "/nonexistent.jsonl"], "is not a file"), (["--minutes", "0"], "--minutes must be a finite number > 0"),
     (["--minutes", "inf"], "--minutes must be a finite number > 0"),
+    (["--attention-group", "-1"], "--attention-group must be >= 0"), (["--ce-chunk", "-5"], "--ce-chunk must be >= 0"),
 ]
 
 

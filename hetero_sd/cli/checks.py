@@ -73,7 +73,9 @@ TRAIN_MINIMUMS = (
     ("--max-new-tokens", 1, "pass --max-new-tokens 200 (or leave it unset)"),
     ("--gen-batch-size", 1, "pass --gen-batch-size 48"),
     ("--max-prompt-tokens", 1, "pass --max-prompt-tokens 384"),
-    ("--soft-top-k", 1, "pass --soft-top-k 32"))
+    ("--soft-top-k", 1, "pass --soft-top-k 32"),
+    ("--attention-group", 0, "pass --attention-group 0 (the device's default) or a count of blocks"),
+    ("--ce-chunk", 0, "pass --ce-chunk 0 (the device's default) or a count of rows"))
 
 
 def train_args(args) -> None:
