@@ -64,8 +64,8 @@ class BatchedGenerator:
         self.cfg, self.slots, self.max_new, self.max_prompt = cfg, slots, max_new_tokens, max_prompt_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
         self.dtype, self.notes = dtype, []
-        plan = self.plan(folder, cfg, dtype, numerics, fused, k_q8)
-        self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, plan)
+        planned = self.plan(folder, cfg, dtype, numerics, fused, k_q8)
+        self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, planned)
         plan = self.model.plan
         # slots on the runtime's fused kernels: one C++ call per decode step (int8 rows need every row's bits alone)
         self.fused = numerics == INT8 and plan.fused and plan.attend
@@ -73,8 +73,8 @@ class BatchedGenerator:
             self.notes.append("batched int8 generation on torch's ops: the fused C++ attention is not available here "
                               f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
         self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
-        self.k_q8 = self.fused and plan.k_q8
-        assert self.k_q8 == self.answers_k_q8(plan, numerics), "the plan's K cache changed as the target was built"
+        self.k_q8 = self.answers_k_q8(plan, numerics)
+        assert self.k_q8 == self.answers_k_q8(planned, numerics), "the plan's K cache changed as the target was built"
         self.k_width, self.k_dtype = k_layout(cfg.head_dim, self.kv_dtype, self.k_q8)
         self.positions = -(-(max_prompt_tokens + max_new_tokens) // 16) * 16  # whole tiles (the tiled K cache)
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)

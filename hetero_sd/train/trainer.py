@@ -578,8 +578,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
                     features.disk.flush()
                 record["held_out_tau"] = held_out_tau(model, held[:cfg.eval_rows], features, split)
                 cfg.history.append(record)
-                save(out, model, optim, schedule, step + 1, saved(stream),
-                     cfg, raw, notes)
+                save(out, model, optim, schedule, step + 1, stream, cfg, raw, notes)
             with (out / "log.jsonl").open("a") as log:
                 log.write(json.dumps(record) + "\n")
             if progress:
@@ -592,13 +591,6 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
     if features.disk is not None:
         features.disk.flush()
     return {"draft": str(out), "history": cfg.history, "notes": notes}
-
-
-def saved(state) -> random.Random:
-    """A random stream at `state` (what a checkpoint stores)."""
-    stream = random.Random()
-    stream.setstate(state)
-    return stream
 
 
 def optimizer_step(model, optim, counts, batches, weights, vocab, split, cfg: TrainConfig, autocast) -> tuple[float, int]:
@@ -648,7 +640,7 @@ def load_checkpoint(path: Path) -> dict:
                           "delete it (and resume from an earlier one) or train into another --out") from None
 
 
-def save(out: Path, model: TrainingDraft, optim, schedule, step: int, rng: random.Random, cfg: TrainConfig,
+def save(out: Path, model: TrainingDraft, optim, schedule, step: int, rng_state: tuple, cfg: TrainConfig,
          raw: dict, notes: dict | None = None) -> None:
     """A loadable z-lab folder at every evaluation, plus a resumable checkpoint (tensors and plain values
     only: it loads with weights_only=True), written to a temporary name and renamed."""
@@ -658,7 +650,7 @@ def save(out: Path, model: TrainingDraft, optim, schedule, step: int, rng: rando
         write_draft(out / "snapshots" / f"step-{step}", raw, {k: v.detach() for k, v in model.state_dict().items()})
     tmp = out / ".checkpoint.pt.tmp"
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "schedule": schedule.state_dict(),
-                "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "history": cfg.history},
+                "step": step, "rng": rng_state, "torch_rng": torch.get_rng_state(), "history": cfg.history},
                tmp)
     tmp.replace(out / "checkpoint.pt")
     (out / "training.json").write_text(json.dumps({"config": asdict(cfg), "step": step, "notes": notes or {}},
