@@ -25,6 +25,8 @@ class LoadPolicy:
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
     amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)
     lane_threads: bool = False  # every backend call on its lane's thread, none inline (measures lanes.py's rule)
+    steps: str = "auto"  # decode/verify/draft steps: "graphs" (fixed shapes captured as CUDA graphs), "fixed",
+    #                      "eager", or "auto" (graphs on CUDA, eager elsewhere): torch_backend/steps.py
     origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")
 
     def why(self) -> str:

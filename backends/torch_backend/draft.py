@@ -26,6 +26,7 @@ from . import fused, quant8
 from .cpu import cpu_flags
 from .kernels import KernelUnavailable
 from .plan import WeightPlan
+from .steps import BUCKETS, DraftSteps, steps_mode
 
 
 class DFlashDraft(nn.Module):
@@ -190,6 +191,20 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
+        self.max_context, self.feature_size = max_context, feature_size
+        # the block and the context catch-up at fixed shapes (captured on CUDA): a plain DFlash draft on torch ops
+        torch_ops = (m.fused_ops is None and m.convs is None and m.selector is None and pack
+                     and all(a.plain for a in self.format.attention))
+        self.steps, note = steps_mode(policy.steps, device, torch_ops)
+        if note:
+            self.notes.append(f"draft: {note}")
+        self.fixed = self.fixed_steps()
+
+    def fixed_steps(self) -> DraftSteps | None:
+        if self.steps == "eager":
+            return None
+        self.cache.reserve(self.max_context + max(BUCKETS[-1], self.block_size) + BUCKETS[-1])
+        return DraftSteps(self.model, self.cache, self.rope, self.feature_size, self.block_size, self.steps)
 
     @property
     def context_length(self) -> int:
@@ -199,7 +214,10 @@ class TorchDraft(CacheOwner, DraftBackend):
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
         self.cache.reserve(start + count + self.block_size)
-        self.model.add_context(features, self.cache, start, *self.rope.at(start, count))
+        if self.fixed is not None and count <= BUCKETS[-1]:
+            self.fixed.context(features, start)
+        else:
+            self.model.add_context(features, self.cache, start, *self.rope.at(start, count))
         self.cache.length = start + count
 
     def weights(self) -> ModelWeights:
@@ -221,6 +239,7 @@ class TorchDraft(CacheOwner, DraftBackend):
     def fork(self) -> "TorchDraft":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
+        twin.fixed = twin.fixed_steps()  # its own cache: its own captured steps
         return twin
 
     @torch.inference_mode()
@@ -229,6 +248,9 @@ class TorchDraft(CacheOwner, DraftBackend):
         start, eps, size = self.cache.length, self.arch.rms_norm_eps, min(size or self.block_size, self.block_size)
         position = start if position is None else position
         rows = self.format.block_rows(size, self.block_size)  # a short block: as the draft was trained
+        if self.fixed is not None:
+            self.last_hidden, logits = self.fixed.block(anchor, self.mask_token_id, position, start, rows, size)
+            return logits
         ids = torch.full((1, rows), self.mask_token_id, device=self.device)
         ids[0, 0] = anchor
         # Cache slots follow the context; RoPE carries the true positions. The block's K/V go after the

@@ -24,6 +24,7 @@ from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
                      layer_walk, through_layers)
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, kv_name, plan_target
+from .steps import BUCKETS, TargetSteps, steps_mode
 
 
 class TargetModel(nn.Module):
@@ -115,13 +116,26 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,
                              self.plan.k_q8)
+        # decode and verify at fixed shapes (captured as CUDA graphs on CUDA): the cache then holds the whole
+        # context from the start (and a bucket's padding past it), so the steps' tensors never move
+        self.steps, note = steps_mode(policy.steps, device, isinstance(self.model.ops, TorchOps))
+        if note:
+            self.notes.append(note)
+        self.fixed = self.fixed_steps()
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         named += [kv_name(self.plan)] * (self.plan.kv_dtype == torch.float16)
         named += ["one-call layer walk"] * self.plan.one_call_walk
+        named += {"graphs": ["CUDA graphs"], "fixed": ["fixed-shape steps"], "eager": []}[self.steps]
         self.mode = ", ".join(named) or self.weight_format
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None
+
+    def fixed_steps(self) -> TargetSteps | None:
+        if self.steps == "eager":
+            return None
+        self.cache.reserve(self.max_context + BUCKETS[-1])
+        return TargetSteps(self.model, self.cache, self.rope, self.capture, self.gather, self.steps)
 
     def matrices(self) -> list:
         return self.model.matrices()
@@ -151,6 +165,7 @@ class TorchTarget(CacheOwner, TargetBackend):
     def fork(self) -> "TorchTarget":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
+        twin.fixed = twin.fixed_steps()  # its own cache: its own captured steps
         return twin
 
     @property
@@ -164,6 +179,10 @@ class TorchTarget(CacheOwner, TargetBackend):
             raise PromptTooLongError(
                 f"{start + count} positions exceed the target's context of {self.max_context}",
                 "shorten the prompt or lower max_new_tokens")
+        if self.fixed is not None and self.fixed.fits(start, count):
+            logits, captured = self.fixed(token_ids, start)
+            self.cache.length = start + count
+            return TargetOutput(logits[-1:] if last_only else logits, captured if features else None)
         self.cache.reserve(start + count)
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)

@@ -1,0 +1,202 @@
+"""Steps of fixed shape: the target's decode and verify steps and a draft's block and context catch-up as
+functions of device tensors alone (token ids, RoPE positions, cache slots), over K/V caches allocated once to the
+context limit, with row counts rounded up to a few buckets. No value of a step is read back by the host inside
+it, so on CUDA each (kind, bucket) is captured once as a CUDA graph and replayed: one launch where an eager
+batch-1 step launches a few hundred small kernels and waits on the host for each (launch-bound on a GPU).
+
+Why a padded bucket is lossless: padding rows sit after the real rows; the target's causal mask keeps them out
+of every real row's keys, and what they write to the cache lies at positions past the real rows', which the next
+real tokens overwrite before any row can see them (a key at position p is visible only to rows at p or later).
+A draft's block attends to the context and its own rows only (slots up to its last row), so a catch-up's padding
+slots are either overwritten by the block or stay out of its mask.
+
+Attention runs over the whole allocated cache with a mask instead of over the used prefix: the same keys with
+weight zero elsewhere, so the outputs equal the eager step's to float rounding (tests hold tokens identical
+and logits within 1e-5 in float32)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .layers import KVCache, Rope, TorchOps, rms_norm
+
+BUCKETS = (1, 2, 4, 8, 16)  # row counts a step is captured for: decode, verify-k, a draft's catch-up
+MODES = ("auto", "eager", "fixed", "graphs")
+
+
+def bucket(rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
+    """The smallest bucket that holds `rows`, None past the largest (the caller then runs eagerly)."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+def steps_mode(asked: str, device: str, torch_ops: bool) -> tuple[str, str | None]:
+    """How a model's steps run: 'graphs' (fixed shapes captured as CUDA graphs), 'fixed' (fixed shapes, run
+    eagerly) or 'eager' (today's shapes), and a note where what was asked cannot run here. 'auto': graphs on
+    CUDA, eager elsewhere (on a CPU the fused C++ ops are the fast path; fixed shapes would only add the masked
+    keys' work). The fixed steps need the torch ops strategy: the fused C++ ops take a start, not positions."""
+    if asked not in MODES:
+        raise ValueError(f"steps={asked!r} is not a step mode; use one of {', '.join(MODES)}")
+    cuda = torch.device(device).type == "cuda"
+    wanted = ("graphs" if cuda else "eager") if asked == "auto" else asked
+    if wanted == "eager":
+        return "eager", None
+    if not torch_ops:
+        return "eager", f"{wanted} steps need the torch ops strategy; this model runs fused C++ ops: eager steps"
+    if wanted == "graphs" and not cuda:
+        return "fixed", f"CUDA graphs need a CUDA device, not {device}: fixed-shape steps run eagerly"
+    return wanted, None
+
+
+class Runner:
+    """Runs a step function over static inputs: as it is ('fixed'), or captured once per key as a CUDA graph and
+    replayed ('graphs'). A capture's warm-up runs the step on its real inputs: a step is idempotent (it writes
+    the same K/V at the same slots), so warming up, capturing and replaying leave the caches as one run would.
+    Outputs of a graph live in its pool and are overwritten by its next replay: callers copy what they keep."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.graphs: dict = {}
+        self.pool = None
+        self.captures = 0
+
+    def run(self, key, fn: Callable[[], tuple]) -> tuple:
+        if self.mode != "graphs":
+            return fn()
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(fn)
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def capture(self, fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits)
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        self.pool = graph.pool()  # every bucket's graph shares one memory pool
+        self.captures += 1
+        return graph, outputs
+
+
+class FixedOps(TorchOps):
+    """TorchOps whose K/V go to the cache at the slots of a positions tensor (index_copy_) and whose attention
+    reads the whole allocated cache under the step's mask: shapes that do not change with the position."""
+
+    def attention(self, layer, x, cache: KVCache, i: int, positions, cos, sin, mask):
+        q, k, v = layer.project_qkv(x, cos, sin)
+        cache.k[i].index_copy_(2, positions, k)
+        cache.v[i].index_copy_(2, positions, v)
+        return layer.attention(q, cache.k[i], cache.v[i], mask)
+
+
+def tables(rope: Rope, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos/sin for every slot of the cache, made once (a step indexes them by its positions)."""
+    return rope.at(0, capacity)
+
+
+class TargetSteps:
+    """A torch target's decode and verify steps at fixed shapes, head and context features included. `inputs`
+    row 0: the token ids, row 1: their positions (= cache slots), written from the host in one copy a step."""
+
+    def __init__(self, model, cache: KVCache, rope: Rope, capture: frozenset, gather, mode: str):
+        self.model, self.cache, self.capture, self.gather = model, cache, capture, gather
+        self.capacity = cache.k[0].shape[2]
+        self.cos, self.sin = tables(rope, self.capacity)
+        device = cache.device
+        self.inputs = torch.zeros(2, BUCKETS[-1], dtype=torch.long, device=device)
+        self.keys = torch.arange(self.capacity, device=device)
+        self.ops = FixedOps(model.config.rms_norm_eps)
+        self.runner = Runner(mode)
+
+    def fits(self, start: int, count: int) -> bool:
+        rows = bucket(count)
+        return rows is not None and start + rows <= self.capacity
+
+    def __call__(self, token_ids: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(float32 logits [count, vocab], context features [count, L*H] or None): copies, safe to keep past
+        the next step."""
+        count = len(token_ids)
+        rows = bucket(count)
+        host = torch.empty(2, rows, dtype=torch.long)
+        host[0, :count] = torch.as_tensor(list(token_ids))
+        host[0, count:] = host[0, count - 1]  # padding: any valid id
+        host[1] = torch.arange(start, start + rows)
+        self.inputs[:, :rows].copy_(host)
+        logits, features = self.runner.run(rows, lambda: self.step(rows))
+        return logits[:count].clone(), None if features is None else features[:count].clone()
+
+    def step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, positions = self.inputs[0:1, :rows], self.inputs[1, :rows]
+        mask = self.keys[None, :] <= positions[:, None]  # causal over the slots: [rows, capacity]
+        normed, captured = self.model(ids, self.cache, positions, self.cos[positions], self.sin[positions], mask,
+                                      self.capture, ops=self.ops)
+        return self.model.logits(normed[0]), self.gather(captured)
+
+
+class DraftSteps:
+    """A plain DFlash draft's block and context catch-up at fixed shapes (DFlash2 and drafts with masked
+    attention layers run eagerly). `inputs` rows: 0 the block's ids, 1 its RoPE positions, 2 its cache slots
+    (after the context: slots and positions differ for a pre-drafted block on a lagged context)."""
+
+    def __init__(self, model, cache: KVCache, rope: Rope, feature_size: int, block_size: int, mode: str):
+        self.model, self.cache = model, cache
+        self.capacity = cache.k[0].shape[2]
+        self.cos, self.sin = tables(rope, self.capacity)
+        device, largest = cache.device, max(BUCKETS[-1], block_size)
+        self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
+        self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=device)
+        self.keys = torch.arange(self.capacity, device=device)
+        self.runner = Runner(mode)
+
+    def block(self, anchor: int, mask_token: int, position: int, start: int, rows: int,
+              size: int) -> torch.Tensor:
+        """The final-normed hidden states [size-1, H] of the block [anchor, mask, ...] of `rows` rows and their
+        float32 logits through the draft's head, its anchor at RoPE `position` and in cache slot `start` (copies)."""
+        host = torch.empty(3, rows, dtype=torch.long)
+        host[0] = mask_token
+        host[0, 0] = anchor
+        host[1] = torch.arange(position, position + rows)
+        host[2] = torch.arange(start, start + rows)
+        self.inputs[:, :rows].copy_(host)
+        hidden, logits = self.runner.run(("block", rows, size), lambda: self.block_step(rows, size))
+        return hidden.clone(), logits.clone()
+
+    def block_step(self, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, eps = self.model, self.model.arch.rms_norm_eps
+        ids, positions, slots = self.inputs[0:1, :rows], self.inputs[1, :rows], self.inputs[2, :rows]
+        cos, sin = self.cos[positions], self.sin[positions]
+        mask = (self.keys <= slots[-1])[None, :].expand(rows, -1)  # the context and the block, non-causal
+
+        def write(i, k, v):
+            self.cache.k[i].index_copy_(2, slots, k)
+            self.cache.v[i].index_copy_(2, slots, v)
+            return self.cache.k[i], self.cache.v[i]
+
+        h = m(m.embed_block(ids), cos, sin, write, [mask] * len(m.layers))
+        hidden = rms_norm(h[0, 1:size], m.norm, eps)
+        return hidden, m.head(hidden)
+
+    def context(self, features: torch.Tensor, start: int) -> None:
+        """Context features [T, L*H] (T up to the largest bucket) to every layer's K/V at slots start.."""
+        count = features.shape[0]
+        rows = bucket(count)
+        self.features[:count].copy_(features.to(self.features.dtype))
+        self.inputs[2, :rows].copy_(torch.arange(start, start + rows))
+        self.runner.run(("context", rows), lambda: self.context_step(rows))
+
+    def context_step(self, rows: int) -> tuple:
+        m, slots = self.model, self.inputs[2, :rows]
+        fused = m.fuse(self.features[:rows])
+        cos, sin = self.cos[slots], self.sin[slots]
+        for i in range(len(m.layers)):
+            k, v = m.context_kv(fused, cos, sin, i)
+            self.cache.k[i].index_copy_(2, slots, k)
+            self.cache.v[i].index_copy_(2, slots, v)
+        return ()

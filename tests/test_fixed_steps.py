@@ -1,0 +1,134 @@
+"""Fixed-shape steps (torch_backend/steps.py): what CUDA captures as graphs, run eagerly on the CPU here. They
+must decode exactly as today's steps do: the same tokens for every placement and schedule, logits within float
+rounding, the draft's proposals the same, and the padded buckets harmless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero_sd
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.backends.torch_backend.steps import BUCKETS, bucket, steps_mode
+
+PROMPTS = [[5, 9, 12, 7], [33, 2, 40, 41, 8, 19, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 34, 35], [60, 61]]
+MAX_NEW = 40
+F32 = torch.float32
+# torch ops (the fused C++ ops take a start, not positions) in float32, as the CUDA path runs them
+EAGER = LoadPolicy(fused=False, quant=False, steps="eager")
+FIXED = LoadPolicy(fused=False, quant=False, steps="fixed")
+
+
+def load(target, draft=None, policy=EAGER, **kw):
+    return hetero_sd.load(str(target), None if draft is None else str(draft), dtype=F32, policy=policy, **kw)
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_llama):
+    rt = load(tiny_llama)
+    return [rt.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids for p in PROMPTS]
+
+
+def test_buckets_round_rows_up():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert bucket(BUCKETS[-1] + 1) is None
+
+
+def test_step_modes_by_device():
+    assert steps_mode("auto", "cpu", True) == ("eager", None)
+    assert steps_mode("auto", "cuda:0", True) == ("graphs", None)
+    mode, note = steps_mode("graphs", "cpu", True)
+    assert mode == "fixed" and "CUDA" in note
+    mode, note = steps_mode("auto", "cuda", False)
+    assert mode == "eager" and "fused" in note
+    with pytest.raises(ValueError, match="step mode"):
+        steps_mode("fast", "cpu", True)
+
+
+def test_fixed_target_decodes_the_eager_tokens(tiny_llama, eager_tokens):
+    rt = load(tiny_llama, policy=FIXED)
+    assert rt.target.steps == "fixed" and "fixed-shape steps" in rt.target.mode
+    for prompt, base in zip(PROMPTS, eager_tokens):
+        assert rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == base
+
+
+@pytest.mark.parametrize("count", [1, 3, 5, 16])
+def test_fixed_verify_logits_match_eager(tiny_llama, tiny_draft, count):
+    """A verify of `count` rows (padded up to its bucket) after a prompt: logits and context features as
+    the eager step's, and the next step unaffected by the padding rows' cache writes."""
+    eager, fixed = (load(tiny_llama, tiny_draft, policy=p).target for p in (EAGER, FIXED))
+    prompt, block, after = PROMPTS[1], list(range(10, 10 + count)), [44]
+    outs = []
+    for t in (eager, fixed):
+        t.forward(prompt)
+        verify = t.forward(block)
+        t.crop(len(prompt) + 1)  # one accepted: the rest of the block (and any padding) is rejected
+        outs.append((verify, t.forward(after)))
+    (ev, ea), (fv, fa) = outs
+    assert fv.logits.shape == ev.logits.shape and fv.features.shape == ev.features.shape
+    torch.testing.assert_close(fv.logits, ev.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fv.features, ev.features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fa.logits, ea.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlap"])
+def test_fixed_target_and_draft_are_lossless(tiny_llama, tiny_draft, eager_tokens, schedule):
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed", schedule=schedule)
+    assert rt.draft.steps == "fixed"
+    for prompt, base in zip(PROMPTS, eager_tokens):
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.num_drafts > 0 and out.stats.fallback is None, out.stats.notes
+        assert out.token_ids == base
+
+
+def test_fixed_draft_proposes_as_eager(tiny_llama, tiny_draft):
+    """The draft's block after a catch-up of a few positions (a bucket) and of a whole prompt (eager), at
+    every block size the controller may pick, and a pre-drafted block on a lagged context."""
+    pair = {}
+    for name, policy in (("eager", EAGER), ("fixed", FIXED)):
+        rt = load(tiny_llama, tiny_draft, policy=policy, block_size="fixed")
+        t, d = rt.target, rt.draft
+        out = t.forward(PROMPTS[1])
+        d.add_context(out.features)
+        more = t.forward([44, 45, 46])
+        d.add_context(more.features)
+        blocks = [d.propose(47, size=s) for s in range(2, d.block_size + 1)]
+        blocks.append(d.propose(48, position=d.context_length + 2))
+        pair[name] = blocks
+    for e, f in zip(pair["eager"], pair["fixed"]):
+        torch.testing.assert_close(f, e, atol=1e-5, rtol=1e-5)
+        assert f.argmax(-1).tolist() == e.argmax(-1).tolist()
+
+
+def test_fixed_steps_sample_as_eager(tiny_llama, tiny_draft):
+    """Seeded sampling: keyed by position, the same logits give the same draws."""
+    outs = []
+    for policy in (EAGER, FIXED):
+        rt = load(tiny_llama, tiny_draft, policy=policy, block_size="fixed")
+        outs.append([rt.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False, temperature=0.8, top_p=0.95, seed=7).token_ids
+                     for p in PROMPTS])
+    assert outs[0] == outs[1]
+
+
+def test_fork_has_its_own_fixed_cache(tiny_llama, eager_tokens):
+    rt = load(tiny_llama, policy=FIXED)
+    twin = rt.target.fork()
+    assert twin.fixed is not rt.target.fixed and twin.fixed.cache is twin.cache
+    assert twin.cache.k[0].data_ptr() != rt.target.cache.k[0].data_ptr()
+
+
+def test_the_comparison_catches_padding_that_leaks(tiny_llama, eager_tokens, monkeypatch):
+    """Mutation check: a mask that lets the rows see every slot (the padding's and stale ones) must change
+    the output."""
+    from hetero_sd.backends.torch_backend import steps
+
+    def leaky(self, rows):
+        ids, positions = self.inputs[0:1, :rows], self.inputs[1, :rows]
+        mask = torch.ones(rows, self.capacity, dtype=torch.bool)
+        normed, captured = self.model(ids, self.cache, positions, self.cos[positions], self.sin[positions], mask,
+                                      self.capture, ops=self.ops)
+        return self.model.logits(normed[0]), self.gather(captured)
+
+    monkeypatch.setattr(steps.TargetSteps, "step", leaky)
+    rt = load(tiny_llama, policy=FIXED)
+    assert [rt.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids for p in PROMPTS] != eager_tokens
