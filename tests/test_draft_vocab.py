@@ -258,9 +258,11 @@ def test_draft_vocab_command_keeps_the_most_frequent_training_tokens(tiny_llama,
     assert main(["draft-vocab", "--draft", str(tiny_draft), "--k", "4", "--out", str(out), "--distill", str(shards),
                  "--held-out", "1"]) == 0
     report = json.loads((out / "draft_vocab.json").read_text())
-    assert load_file(str(out / "model.safetensors"))["draft_vocab"].tolist() == [1, 10, 20, 30]  # + the stop id
+    # z-lab's two files as the source draft's; the head's ids beside them (models/draft_format.py)
+    assert json.loads((out / "hetero_sd.json").read_text())["draft_vocab"] == [1, 10, 20, 30]  # + the stop id
     assert report["k"] == 4 and report["coverage_held_out_answers"] == 0.0
-    assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 4
+    assert json.loads((out / "config.json").read_text()) == json.loads((tiny_draft / "config.json").read_text())
+    assert load_file(str(out / "model.safetensors")).keys() == load_file(str(tiny_draft / "model.safetensors")).keys()
     rt = hetero_sd.load(str(tiny_llama), str(out))
     assert rt.info["draft_head"] == "4 of 64 rows"
     assert main(["draft-vocab", "--draft", str(tiny_draft), "--k", "4", "--out", str(out),

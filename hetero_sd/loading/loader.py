@@ -18,9 +18,9 @@ from hetero_sd.backends.placement import draft_backend, draft_dtype_for, dtype_n
 from hetero_sd.devices import check_device, cpu_bound
 from hetero_sd.errors import ConfigError, ModelNotFoundError
 from hetero_sd.models.config import ArchConfig, DraftConfig, read_json
-from hetero_sd.models.draft_format import check_tensors
+from hetero_sd.models.draft_format import read_tensors
 from hetero_sd.models.draft_init import draft_config, pick_mask_token, random_draft_tensors
-from hetero_sd.models.weights import load_weights, take
+from hetero_sd.models.weights import take
 
 from .default_model import DEFAULT_TARGET, is_converted
 from .families import load_target, target_config
@@ -190,7 +190,7 @@ def draft_source(draft: str, tcfg: ArchConfig, tokenizer, notes: list[str]) -> t
     dcfg = DraftConfig.from_folder(dfolder)
     if dcfg.arch.hidden_size != tcfg.hidden_size:  # say "mismatch" before any shape error in the weights
         check_pair(dcfg, tcfg, dcfg.mask_token_id)
-    return dcfg, check_tensors(load_weights(dfolder), dcfg, dfolder), dfolder
+    return dcfg, read_tensors(dfolder, dcfg), dfolder
 
 
 def random_layers(draft: str) -> int:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .draft_format import DraftFormat, lookup, read_format
+from .draft_format import DraftFormat, lookup, read_config, read_format
 from hetero_sd.errors import ConfigError
 
 # Decoder families whose blocks our backends implement (Llama-style pre-norm blocks, GQA, RoPE).
@@ -133,7 +133,8 @@ class DraftConfig:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "DraftConfig":
-        return cls.from_dict(read_json(folder / "config.json"), str(folder / "config.json"))
+        # config.json with the settings only this runtime applies (draft_format.EXTENSION) put in dflash_config
+        return cls.from_dict(read_config(folder), str(folder / "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "draft config") -> "DraftConfig":

@@ -11,11 +11,17 @@ measured (lower acceptance, no warning)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from hetero_sd.errors import ConfigError, WeightsError
 
 from . import draft_vocab
+from .weights import load_weights
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 FIX_FORMAT = "hetero-sd runs DFlash (DFlashDraftModel) and DFlash2 (DFlash2DraftModel) drafts in z-lab's format"
@@ -238,3 +244,123 @@ def check_tensors(tensors: dict, cfg, where) -> dict:
         raise WeightsError(f"{where}: tensor(s) {shown} not used by a {fmt.name} draft of {num_layers} layers",
                            f"the checkpoint is of another architecture or newer format; {FIX_FORMAT}")
     return tensors if ids is None else tensors | {draft_vocab.TENSOR: ids}
+
+
+# --- the folder: z-lab's two files, and ours beside them ------------------------------------------------
+#
+# config.json and model.safetensors hold exactly what z-lab's checkpoints hold, so every DFlash loader takes
+# the folder as it is: z-lab's DFlashDraftModel (from_pretrained reports no unexpected key), vLLM (its
+# AutoWeightsLoader raises on an unknown tensor; a top-level draft_vocab_size would make it build an EAGLE-3
+# style reduced head), MLX ports (mlx's strict load_weights over every *.safetensors), llama.cpp's converter
+# (it cannot map an unknown tensor). What only this runtime applies (the reduced head's ids, the short-block
+# flag) is in EXTENSION, a JSON file none of them opens; the lookup table (lookup_corpus.*) and the training
+# card (training.json, held_out.json, draft_vocab.json) are other files beside them, read by name.
+# Older drafts keep those settings in config.json's dflash_config and the ids as a `draft_vocab` tensor in
+# model.safetensors: read_config / read_tensors give both layouts the same in-memory form (the older one).
+
+EXTENSION = "hetero_sd.json"
+EXTENSION_FORMAT = "hetero-sd draft extension 1"
+OURS = (draft_vocab.KEY, SHORT_BLOCKS)  # config keys z-lab's checkpoints do not have
+FIX_EXTENSION = f"re-write the draft with `hetero-sd export-draft DIR --to hetero-sd --out NEW` (or delete {EXTENSION} " \
+                "to run it as a plain DFlash draft)"
+
+
+def read_json_file(path, what: str = "config.json") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no {what} in {path.parent}",
+                          "point at a DFlash draft folder (config.json + model.safetensors)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})", "re-download or re-create the draft folder") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object", "re-create the draft folder")
+    return raw
+
+
+def read_extension(folder) -> dict | None:
+    """The folder's EXTENSION as {"short_blocks": bool, "draft_vocab": [ids] | None}, checked; None if absent."""
+    path = Path(folder) / EXTENSION
+    if not path.is_file():
+        return None
+    raw = read_json_file(path, EXTENSION)
+    if raw.get("format") != EXTENSION_FORMAT:
+        raise ConfigError(f"{path}: format {raw.get('format')!r} is not {EXTENSION_FORMAT!r}", FIX_EXTENSION)
+    unknown = sorted(set(raw) - {"format", SHORT_BLOCKS, draft_vocab.TENSOR})
+    if unknown:
+        raise ConfigError(f"{path}: key(s) {', '.join(unknown)} not understood", FIX_EXTENSION)
+    ids = raw.get(draft_vocab.TENSOR)
+    if ids is not None and (not isinstance(ids, list) or not ids
+                            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ConfigError(f"{path}: {draft_vocab.TENSOR} is not a non-empty list of token ids", FIX_EXTENSION)
+    short = raw.get(SHORT_BLOCKS, False)
+    if not isinstance(short, bool):
+        raise ConfigError(f"{path}: {SHORT_BLOCKS} is {short!r}, not true or false", FIX_EXTENSION)
+    return {SHORT_BLOCKS: short, draft_vocab.TENSOR: ids}
+
+
+def read_config(folder) -> dict:
+    """The draft's config as this runtime reads it: config.json, with EXTENSION's settings put into its
+    dflash_config (a setting given in both files is refused: which one would run is not obvious)."""
+    raw = read_json_file(Path(folder) / "config.json")
+    ext = read_extension(folder)
+    if ext is None:
+        return raw
+    inside = raw.get("dflash_config") or {}
+    twice = [k for k in OURS if k in inside or k in raw]
+    if twice:
+        raise ConfigError(f"{folder}: {', '.join(twice)} given both in config.json and in {EXTENSION}",
+                          f"remove {', '.join(twice)} from config.json ({EXTENSION} holds it)")
+    ours = {SHORT_BLOCKS: True} if ext[SHORT_BLOCKS] else {}
+    if ext[draft_vocab.TENSOR] is not None:
+        ours[draft_vocab.KEY] = len(ext[draft_vocab.TENSOR])
+    return raw | {"dflash_config": dict(inside) | ours}
+
+
+def read_tensors(folder, cfg) -> dict:
+    """The draft's tensors under the backends' names (check_tensors), the reduced head's ids among them
+    whichever layout holds them. cfg: a config.DraftConfig read by read_config."""
+    tensors = load_weights(folder)
+    ext = read_extension(folder)
+    if ext is not None and ext[draft_vocab.TENSOR] is not None:
+        if draft_vocab.TENSOR in tensors:
+            raise WeightsError(f"{folder}: the reduced head's ids are both a {draft_vocab.TENSOR} tensor in "
+                               f"model.safetensors and a list in {EXTENSION}", FIX_EXTENSION)
+        tensors[draft_vocab.TENSOR] = torch.tensor(ext[draft_vocab.TENSOR], dtype=torch.int64)
+    return check_tensors(tensors, cfg, folder)
+
+
+def split_layout(raw: dict, tensors: dict) -> tuple[dict, dict, dict | None]:
+    """(config.json, model.safetensors, EXTENSION) of a draft held in the in-memory form: z-lab's keys and
+    tensors, and ours apart (None when the draft has nothing of ours)."""
+    inside = dict(raw.get("dflash_config") or {})
+    short = bool(inside.pop(SHORT_BLOCKS, raw.get(SHORT_BLOCKS, False)))
+    size = inside.pop(draft_vocab.KEY, raw.get(draft_vocab.KEY))
+    theirs = {k: inside if k == "dflash_config" else v for k, v in raw.items() if k not in OURS}  # order kept
+    ids = tensors.get(draft_vocab.TENSOR)
+    if (ids is None) != (size is None) or (ids is not None and ids.numel() != size):
+        raise WeightsError(f"the draft declares {draft_vocab.KEY} {size} but holds "
+                           f"{'no' if ids is None else ids.numel()} ids", draft_vocab.FIX_MAKE)
+    weights = {k: v for k, v in tensors.items() if k != draft_vocab.TENSOR}
+    ext = None
+    if short or ids is not None:
+        ext = {"format": EXTENSION_FORMAT, SHORT_BLOCKS: short}
+        if ids is not None:
+            ext[draft_vocab.TENSOR] = [int(i) for i in ids.tolist()]
+    return theirs, weights, ext
+
+
+def write_folder(folder, raw: dict, tensors: dict, dtype=None) -> None:
+    """Write a draft in z-lab's layout plus EXTENSION (removed if the draft has nothing of ours).
+    dtype: the floating tensors' dtype in the file (None: as given)."""
+    folder = Path(folder)
+    config, weights, ext = split_layout(raw, tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, v in weights.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if ext is None:
+        (folder / EXTENSION).unlink(missing_ok=True)
+    else:
+        (folder / EXTENSION).write_text(json.dumps(ext) + "\n")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .config import ArchConfig, fallback_layer_ids
+from .draft_format import write_folder
 
 
 def pick_mask_token(tokenizer) -> int:
@@ -78,9 +77,7 @@ def random_draft_tensors(config: dict, seed: int = 0, std: float = 0.02) -> dict
 
 def write_draft(folder: Path, config: dict, tensors: dict[str, torch.Tensor],
                 dtype: torch.dtype = torch.bfloat16) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    return folder
+    """z-lab's config.json and model.safetensors, and what only hetero-sd applies beside them
+    (draft_format.write_folder)."""
+    write_folder(folder, config, tensors, dtype)
+    return Path(folder)

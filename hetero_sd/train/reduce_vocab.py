@@ -16,13 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from hetero_sd.errors import ConfigError, OutputPathError
 from hetero_sd.models import draft_vocab
-from hetero_sd.models.config import DraftConfig, read_json
-from hetero_sd.models.draft_format import check_tensors
-from hetero_sd.models.weights import load_weights
+from hetero_sd.models.config import DraftConfig
+from hetero_sd.models.draft_format import read_config, read_tensors, write_folder
 
 DEFAULT_DISTILL = Path(__file__).resolve().parents[2] / "benchmarks" / "distill-data" / "SmolLM2-135M-Instruct"
 
@@ -57,12 +55,12 @@ def coverage(counts: Counter, ids: list[int]) -> float:
 
 def reduce_draft(src: Path, out: Path, distill: Path, k: int, held_out: int = 256) -> dict:
     """Write the reduced copy of the draft in `src` to `out`; returns the report (also out/draft_vocab.json)."""
-    raw = read_json(src / "config.json")
+    raw = read_config(src)  # either layout (models/draft_format.py)
     cfg = DraftConfig.from_dict(raw, str(src / "config.json"))
     vocab = cfg.arch.vocab_size
     if not 1 <= k <= vocab:
         raise ConfigError(f"--k {k} is not within the draft's vocabulary (1..{vocab})", "pick K in that range, e.g. 8192")
-    tensors = check_tensors(load_weights(src), cfg, src)
+    tensors = read_tensors(src, cfg)
     train, test, manifest = answer_counts(distill, held_out)
     if manifest.get("vocab_size") not in (None, vocab):
         raise ConfigError(f"{distill} holds answers of a target with vocabulary {manifest['vocab_size']}, the draft's "
@@ -71,12 +69,11 @@ def reduce_draft(src: Path, out: Path, distill: Path, k: int, held_out: int = 25
     if out.exists() and any(out.iterdir()):
         raise OutputPathError(f"--out {out} exists and is not empty", "give a new folder")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.contiguous() for n, t in tensors.items() if n != draft_vocab.TENSOR}
+    tensors = {n: t for n, t in tensors.items() if n != draft_vocab.TENSOR}
     tensors[draft_vocab.TENSOR] = torch.tensor(ids, dtype=torch.int64)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw.setdefault("dflash_config", {})[draft_vocab.KEY] = len(ids)
     raw.pop(draft_vocab.KEY, None)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_folder(out, raw, tensors)  # z-lab's two files unchanged but for the head's ids, which go beside them
     for extra in ("training.json",):  # what the draft's own folder says about its training
         if (src / extra).is_file():
             shutil.copy(src / extra, out / extra)
@@ -87,7 +84,7 @@ def reduce_draft(src: Path, out: Path, distill: Path, k: int, held_out: int = 25
               "coverage_held_out_answers": round(coverage(test, ids), 4)}
     (out / "draft_vocab.json").write_text(json.dumps(report, indent=2) + "\n")
     DraftConfig.from_folder(out)  # what was written reads back as a valid reduced draft
-    check_tensors(load_weights(out), DraftConfig.from_folder(out), out)
+    read_tensors(out, DraftConfig.from_folder(out))
     return report
 
 
