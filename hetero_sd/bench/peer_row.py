@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from .repetition import add_counts, loop_counts, loop_figures
 
 
@@ -49,3 +51,21 @@ class PeerRow:
         if self.prompts:
             d |= loop_figures(add_counts([p["loop"] for p in self.prompts]))
         return d
+
+
+def placement(runtime) -> tuple[str, torch.dtype]:
+    """Where a transformers-based peer runs: on our target's torch device, in its dtype (float32 where ours is
+    not a torch float dtype: the CPU's int8 numerics), so a GPU run compares like with like."""
+    device = str(runtime.info.get("target_device") or "cpu")
+    if device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        device = "cpu"
+    dtype = getattr(torch, str(runtime.info.get("target_dtype")), None)
+    return device, dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
+def synced(device: str, fn):
+    """fn() and the device's queue drained: a peer's clock stops when its tokens exist."""
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .peer_row import PeerRow
+from .peer_row import PeerRow, placement, synced
 
 PEERS = ("transformers", "transformers-lookup", "llama.cpp", "llama.cpp-dflash", "zlab-reference", "mlx-lm",
          "mlx-lm-speculative")
@@ -68,7 +68,7 @@ def one_peer(name, folder: Path, runtime, prompt_ids, max_new_tokens: int, done,
     from .peers_zlab import zlab_reference
 
     if name in ("transformers", "transformers-lookup"):
-        return hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done)
+        return hf_generate(folder, prompt_ids, max_new_tokens, name == "transformers-lookup", done, *placement(runtime))
     if name in ("llama.cpp", "llama.cpp-dflash"):
         return llama_cpp_peer(runtime, prompt_ids, max_new_tokens, done, name)
     if name == "zlab-reference":
@@ -76,19 +76,22 @@ def one_peer(name, folder: Path, runtime, prompt_ids, max_new_tokens: int, done,
     return mlx_lm(folder, prompt_ids, max_new_tokens, done, draft if name == "mlx-lm-speculative" else None, name)
 
 
-def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, done) -> PeerRow:
+def hf_generate(folder: Path, prompt_ids, max_new_tokens: int, lookup: bool, done, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> PeerRow:
     from transformers import AutoModelForCausalLM
 
     name = "transformers-lookup" if lookup else "transformers"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
     row = PeerRow(name, note="HF generate, greedy" + (", prompt lookup (10 tokens)" if lookup else ""),
-                  weights=f"float32, our HF target folder ({folder.name})")
+                  weights=f"{str(dtype).removeprefix('torch.')} on {device}, our HF target folder ({folder.name})")
     with torch.inference_mode():
-        model.generate(torch.tensor([prompt_ids[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
+        synced(device, lambda: model.generate(torch.tensor([prompt_ids[0]], device=device), max_new_tokens=4,
+                                              do_sample=False, **extra))  # warm-up
         for ids in prompt_ids:
             began = time.perf_counter()
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            out = synced(device, lambda: model.generate(torch.tensor([ids], device=device),
+                                                        max_new_tokens=max_new_tokens, do_sample=False, **extra))
             row.add(out[0, len(ids):].tolist(), time.perf_counter() - began)
             done()
     return row

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .repetition import step_lengths
-from .peer_row import PeerRow
+from .peer_row import PeerRow, placement, synced
 
 NAME = "zlab-reference"
 
@@ -33,18 +33,19 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     if not (folder / "config.json").is_file():
         return PeerRow(NAME, skipped=True, note=f"needs a draft folder in the z-lab format; this run's draft is "
                                                 f"{runtime.info.get('draft')!r}")
-    target, draft = load_models(zm, runtime.info["target"], folder, runtime.info.get("mask_token_id"))
+    device, dtype = placement(runtime)
+    target, draft = load_models(zm, runtime.info["target"], folder, runtime.info.get("mask_token_id"), device, dtype)
     block = runtime.block_size
-    row = PeerRow(NAME, weights=f"float32 via transformers: our HF target folder ({Path(runtime.info['target']).name}) "
+    row = PeerRow(NAME, weights=f"{str(dtype).removeprefix('torch.')} on {device} via transformers: our HF target folder ({Path(runtime.info['target']).name}) "
                                 f"and draft folder ({folder.name})",
                   note=f"dflash {package_version()} dflash_generate, greedy, block {block}"
                        + ("; our run mixes the context lookup into its proposals, so the acceptance differs from theirs "
                           "(--lookup 0: the draft's tokens alone)" if getattr(runtime, "lookup", 0) else ""))
     with cpu_clock(zm, row):
-        generate(zm, draft, target, prompt_ids[0], 4, runtime.stop_ids, block)  # warm-up
+        synced(device, lambda: generate(zm, draft, target, prompt_ids[0], 4, runtime.stop_ids, block))  # warm-up
         for n, ids in enumerate(prompt_ids):
             began = time.perf_counter()
-            out = generate(zm, draft, target, ids, max_new_tokens, runtime.stop_ids, block)
+            out = synced(device, lambda: generate(zm, draft, target, ids, max_new_tokens, runtime.stop_ids, block))
             seconds = time.perf_counter() - began
             gen = out.output_ids[0, len(ids):].tolist()
             lengths = [int(a) for a in out.acceptance_lengths]
@@ -55,18 +56,19 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     return row
 
 
-def load_models(zm, target_folder: str, draft_folder: Path, mask_token_id: int | None):
+def load_models(zm, target_folder: str, draft_folder: Path, mask_token_id: int | None, device: str = "cpu",
+                dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32).eval()
-    draft = zm.DFlashDraftModel.from_pretrained(str(draft_folder), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=dtype).to(device).eval()
+    draft = zm.DFlashDraftModel.from_pretrained(str(draft_folder), dtype=dtype).to(device).eval()
     if draft.mask_token_id is None:  # older drafts: the tokenizer's <|MASK|>, which our runtime resolved
         draft.mask_token_id = mask_token_id
     return target, draft
 
 
 def generate(zm, draft, target, ids: list[int], max_new_tokens: int, stop_ids: list[int], block: int):
-    return zm.dflash_generate(draft, target, torch.tensor([ids]), max_new_tokens, list(stop_ids),
+    return zm.dflash_generate(draft, target, torch.tensor([ids], device=target.device), max_new_tokens, list(stop_ids),
                               temperature=0.0, block_size=block, return_stats=True)
 
 

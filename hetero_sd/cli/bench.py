@@ -359,7 +359,8 @@ def run_costs(args) -> int:
 
 
 def print_costs(costs) -> None:
-    t = Table(title=f"costs on {costs.cpu}, {costs.dtype}, {costs.threads} threads, context {costs.context}")
+    where = f"{costs.device} (host: {costs.cpu})" if costs.device else f"{costs.cpu}, {costs.threads} threads"
+    t = Table(title=f"costs on {where}, {costs.dtype}, context {costs.context}")
     for col in ("call", "ms", "x decode step", "floor ms", "x floor"):
         t.add_column(col, justify="right")
     floors = costs.floors_s or {}
@@ -376,7 +377,7 @@ def print_costs(costs) -> None:
     Console().print(t)
     if costs.peak_gflops:
         kernels = "".join(f", {name}'s int8-row kernel {gops:.0f} GOPS" for name, gops in costs.kernel_peak_gops.items())
-        Console().print(f"matmul peak {costs.peak_gflops:.0f} GFLOPS{kernels}, read bandwidth {costs.bandwidth_gbs:.1f} "
-                        "GB/s; floor = max(bytes read / bandwidth, flops / the model's own kernel peak)")
+        Console().print(f"{costs.device or 'CPU'} matmul peak {costs.peak_gflops:.0f} GFLOPS{kernels}, "
+                        f"{'copy' if costs.device else 'read'} bandwidth {costs.bandwidth_gbs:.1f} GB/s; floor = max(bytes read / bandwidth, flops / the model's own kernel peak)")
     for note in costs.notes:
         err.print(f"[yellow]note:[/] {note}")

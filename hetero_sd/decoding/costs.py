@@ -1,4 +1,4 @@
-"""The cost probe (issue 12): what one decode step, one verify of k tokens and one draft block cost on
+"""The cost probe: what one decode step, one verify of k tokens and one draft block cost on
 this machine, in this process, with these weights. A speculative step pays off only when
 verify(k) + draft(b) is small next to tau * decode, so the scheduler's block policy reads these numbers,
 and `hetero-sd bench --costs` prints them against the compute/bandwidth floor of each call.
@@ -32,6 +32,7 @@ class Costs:
     #                                                         int8-row kernel, where it multiplies by one (its floor)
     bandwidth_gbs: float | None = None
     cpu: str = ""                   # lscpu model name + capability
+    device: str = ""                # the target's accelerator by name (e.g. "NVIDIA H200"); "" on the CPU
     dtype: str = ""
     context: int = 0                # positions in the caches while measuring
     threads: int = 0                # torch intra-op threads
@@ -139,7 +140,7 @@ def measure_costs(target: TargetBackend, draft: DraftBackend | None, *, context:
         fill_context(target, draft, context)
         base = target.length
         costs = Costs(decode_s=0.0, verify_s={}, draft_s={}, cpu=cpu_name(), dtype=backend_dtype(target),
-                      context=base, threads=torch.get_num_threads())
+                      context=base, threads=torch.get_num_threads(), device=accelerator_name(device_of(target)))
         vocab = target.config.vocab_size
         calls = {("decode", 1): partial(step, target, base, fill_ids(1, vocab), False)}
         calls |= {("verify", k): partial(step, target, base, fill_ids(k, vocab), True) for k in ks}
@@ -175,11 +176,46 @@ def backend_dtype(backend) -> str:
     return f"{name} ({mode})" if mode and mode != name else name
 
 
-def peak_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
-    """The practical matmul peak: best of a few n^3 products with the process's threads."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+def device_of(backend) -> str:
+    return str(getattr(backend, "device", "cpu"))
+
+
+def device_kind(device: str) -> str:
+    """"cuda" of "cuda:0"; a device torch does not know (mlx, ane-sim) as it is named."""
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        return device
+
+
+def accelerator_name(device: str) -> str:
+    """The accelerator a device string names ("" for the CPU): a floor is the hardware's, so it says which."""
+    kind = device_kind(device)
+    if kind == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return {"cpu": "", "mps": "Apple GPU (MPS)", "mlx": "MLX"}.get(kind, kind)
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    kind = device_kind(device)
+    if kind == "cuda":
+        return lambda: torch.cuda.synchronize(torch.device(device))
+    if kind == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def peak_gflops(dtype: torch.dtype = torch.float32, n: int | None = None, repeats: int = 5,
+                device: str = "cpu") -> float:
+    """The practical matmul peak on `device`: best of a few n^3 products (the process's threads on the CPU;
+    on a GPU large enough products to fill it, timed to the device's completion)."""
+    on_cpu = device_kind(device) == "cpu"
+    n = n or (1024 if on_cpu else 8192)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    sync = device_sync(device)
     a @ b
-    best = min(timed(lambda: a @ b) for _ in range(repeats))
+    sync()
+    best = min(timed(lambda: (a @ b, sync())) for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
 
 
@@ -198,6 +234,23 @@ def read_bandwidth_gb_s(repeats: int = 5, buffer_mb: int = BUFFER_MB) -> float:
     return x.nbytes / best / 1e9
 
 
+def device_bandwidth_gb_s(device: str, repeats: int = 5, buffer_mb: int = 1024) -> float:
+    """An accelerator's memory bandwidth: the best of a few device-to-device copies of a buffer far larger than
+    its caches, counting the bytes read and written."""
+    x = torch.ones(buffer_mb * 2**20 // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    sync = device_sync(device)
+    y.copy_(x)
+    sync()
+    best = min(timed(lambda: (y.copy_(x), sync())) for _ in range(repeats))
+    return 2 * x.nbytes / best / 1e9
+
+
+def bandwidth_gb_s(device: str) -> float:
+    """Memory bandwidth where `device` keeps its weights: host reads for the CPU, device copies elsewhere."""
+    return read_bandwidth_gb_s() if device_kind(device) == "cpu" else device_bandwidth_gb_s(device)
+
+
 def timed(fn) -> float:
     began = time.perf_counter()
     fn()
@@ -208,8 +261,10 @@ def add_machine(costs: Costs, target, draft) -> None:
     """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak), the
     peak being the model's own int8-row kernel's where it has one (own_peak)."""
     dtype = getattr(target, "dtype", torch.float32)
-    costs.peak_gflops = peak_gflops(dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32)
-    costs.bandwidth_gbs = read_bandwidth_gb_s()
+    device = device_of(target) if device_kind(device_of(target)) in ("cpu", "cuda", "mps") else "cpu"
+    compute = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    costs.peak_gflops = peak_gflops(compute, device=device)
+    costs.bandwidth_gbs = bandwidth_gb_s(device)
     target_weights, draft_weights = weights_of(target), None if draft is None else weights_of(draft)
     if target_weights is None:
         costs.notes.append("floors need a torch target (its weight sizes); none computed")
@@ -227,6 +282,14 @@ def add_machine(costs: Costs, target, draft) -> None:
     if draft_weights is not None:
         d_bytes, d_params, d_kv = model_sizes(draft_weights)
         d_peak = own_peak(costs, "draft", draft_weights)
+        d_device = device_of(draft)
+        if device_kind(d_device) in ("cpu", "cuda", "mps") and device_kind(d_device) != device_kind(device):
+            # a draft on another device (cuda/cpu): its floor is that device's
+            d_dtype = getattr(draft, "dtype", torch.float32)
+            d_peak = peak_gflops(d_dtype if d_dtype in (torch.float32, torch.bfloat16) else torch.float32,
+                                 device=d_device) * 1e9
+            bw = bandwidth_gb_s(d_device) * 1e9
+            costs.notes.append(f"the draft's floors use its own device's ({d_device}) bandwidth and peak")
         costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context, d_peak) for b in costs.draft_s}
 
 
