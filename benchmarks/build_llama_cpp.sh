@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the llama.cpp peers of `hetero-sd bench --peers llama.cpp-dflash,llama.cpp` (issue 15).
+# Build the llama.cpp peers of `hetero-sd bench --peers llama.cpp-dflash,llama.cpp`.
 #
 # llama.cpp with DFlash (src/models/dflash.cpp, --spec-type draft-dflash) is taken from the sdist of
 # llama-cpp-python==0.3.36, which vendors llama.cpp at commit 0c1e5709 (2026-10-01). Only two

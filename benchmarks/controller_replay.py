@@ -15,7 +15,7 @@ beat it). Step times are modelled from a `hetero-sd bench --costs --json` file: 
 the figures are tokens per decode step, comparable between policies, not speedups of a run.
 
     python benchmarks/controller_replay.py --limit 12 --max-new-tokens 128 \
-        --costs benchmarks/results/costs_default_short_avx2.json --json benchmarks/results/controller_replay.json
+        --costs benchmarks/results/costs/costs_r1.json --json benchmarks/results/controller/replay.json
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="chat,humaneval")
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--costs", default=str(ROOT / "benchmarks/results/costs_default_short_avx2.json"))
+    ap.add_argument("--costs", default=str(ROOT / "benchmarks/results/costs/costs_r1.json"))
     ap.add_argument("--traces", help="JSON files written by --save-traces (comma-separated): replay without the models")
     ap.add_argument("--save-traces")
     ap.add_argument("--json")

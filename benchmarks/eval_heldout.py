@@ -1,13 +1,13 @@
 """Simulated-decoding tau on the fixed held-out rows of the shards, by source (chat = ShareGPT, code =
 stdlib), next to the 1-3-gram floor; appends a learning-curve point when given a training run.
 
-    python benchmarks/eval_heldout.py --draft cpu-trained --json benchmarks/results/training/heldout.json
-    python benchmarks/eval_heldout.py --run /work/train-out/long --curve benchmarks/results/training/long-run-curve.json
+    python benchmarks/eval_heldout.py --draft cpu-trained --block-size 2 --json benchmarks/results/heldout/block2.json
+    python benchmarks/eval_heldout.py --run /tmp/train-out/e2 --curve benchmarks/results/training/e2-curve.json
 
 Held-out rows: the 256 smallest key hashes of the shards (hetero_sd/train/trainer.py split_held_out), which
-the long run (`benchmarks/train_draft.sh`, --held-out 256) never trains on. Each row is replayed for its
-first --max-tokens answer tokens (hetero_sd/train/evaluate.py). Features come from --feature-cache (the
-long run's store holds them once its evaluation has read them) or are computed."""
+no run of `benchmarks/train_draft.sh` (--held-out 256) trains on. Each row is replayed for its
+first --max-tokens answer tokens (hetero_sd/train/evaluate.py). Features come from --feature-cache (a
+training run's store holds them once its evaluation has read them) or are computed."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16, help="the block the floor and every draft are replayed at")
     ap.add_argument("--distill", default=str(ROOT / "benchmarks/distill-data/SmolLM2-135M-Instruct"))
-    ap.add_argument("--feature-cache", help="the features' store (default: /work/train-out/features for float32, "
-                    "/work/train-out/heldout-int8-<K cache> for int8: a store holds one kind)")
+    ap.add_argument("--feature-cache", help="the features' store (default: /tmp/train-out/features for float32, "
+                    "/tmp/train-out/heldout-int8-<K cache> for int8: a store holds one kind)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--feature-numerics", choices=["float32", "int8"], default="float32",
                     help="the target's rows for the features (int8: the runtime's; its own --feature-cache)")
@@ -56,8 +56,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     k_q8 = policy_from_env().k_q8  # int8 features: the runtime's K cache (HETERO_SD_KV)
     if args.feature_cache is None:
-        args.feature_cache = "/work/train-out/features" if args.feature_numerics == "float32" else \
-            f"/work/train-out/heldout-int8-{'q8k' if k_q8 else 'f16k'}"
+        args.feature_cache = "/tmp/train-out/features" if args.feature_numerics == "float32" else \
+            f"/tmp/train-out/heldout-int8-{'q8k' if k_q8 else 'f16k'}"
     target = resolve_target("default")
     rows = load_distilled(Path(args.distill), target)
     held, rest = split_held_out(rows, args.held_out, 0)

@@ -1,4 +1,4 @@
-"""Issue 26: token agreement of our `--dtype int8` target (int8 rows x the GGUF's Q4_1/Q8_0 blocks, llama.cpp's
+"""Token agreement of our `--dtype int8` target (int8 rows x the GGUF's Q4_1/Q8_0 blocks, llama.cpp's
 numerics) with llama.cpp itself on the same GGUF (the embedded default SmolLM2-135M-Instruct, Q4_1), greedy.
 
 Each prompt goes through the chat template into token ids; llama.cpp (llama-completion of
@@ -13,7 +13,7 @@ default keeps K as q8_0 blocks where the CPU has AVX512-VNNI); --kv-q8: with K a
 --llama-ctk q8_0 runs llama.cpp itself with that K cache (llama.cpp's -ctk q8_0).
 
     python benchmarks/llama_agreement.py [--limit 20] [--tokens 128] [--float32] [--kv-q8] [--llama-ctk q8_0]
-                                         [--json benchmarks/results/llama_agreement.json]
+                                         [--json benchmarks/results/agreement/llama_agreement.json]
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import torch
 
 import hetero_sd
 from hetero_sd.bench.peers_llama import build_dir, build_info, number
+from hetero_sd.bench.runner import machine
+from hetero_sd.devices import capability
 from hetero_sd.prompts import load_prompts
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from int8_ab import lscpu  # noqa: E402
 
 
 def llama_greedy(gguf: str, prompt: str, n: int, threads: int, ctk: str | None = None) -> dict:
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--kv-q8", action="store_true", help="also the int8 target with its K cache as q8_0 blocks")
     ap.add_argument("--kv-float16", action="store_true", help="also the int8 target with its K cache in float16")
     ap.add_argument("--llama-ctk", default=None, help="llama.cpp's K cache type (-ctk; default: its float16)")
-    ap.add_argument("--json", default="benchmarks/results/llama_agreement.json")
+    ap.add_argument("--json", default="benchmarks/results/agreement/llama_agreement.json")
     args = ap.parse_args()
     prompts = [p for d in args.datasets.split(",") for p in load_prompts(dataset=d)][:args.limit]
     threads = torch.get_num_threads()
@@ -140,7 +139,7 @@ def write(args, rows: list, rts: dict, gguf: str, threads: int, done: bool) -> N
                       "median_top2_margin_at_divergence": median([r[name]["why"]["top2_margin"] for r in rows
                                                                   if "why" in r[name]])}
                for name in rts}
-    doc = {"command": " ".join(["python"] + sys.argv), "lscpu": lscpu(), "threads": threads,
+    doc = {"command": " ".join(["python"] + sys.argv), "machine": {**machine(), "capability": capability()}, "threads": threads,
            "llama_cpp": build_info(), "llama_cpp_k_cache": args.llama_ctk or "f16 (its default)",
            "gguf": gguf, "tokens": args.tokens, "greedy": True, "eos_ignored": True,
            "load_note": "shared 2-core VM (other helpers' jobs, a nice-19 training run): times are indicative",

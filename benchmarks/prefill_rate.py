@@ -1,11 +1,11 @@
-"""Issue 26, prompt processing and the decode step against llama.cpp: a ~500-token prompt's prefill rate
+"""Prompt processing and the decode step against llama.cpp: a ~500-token prompt's prefill rate
 (tokens/s) of the default target in float32 (its prefill multiplies the float32 weights) and `--dtype int8` (its
 prefill multiplies int8 rows by the GGUF blocks, as llama.cpp does), and llama.cpp's own prompt-eval rate on the
 same GGUF and tokens (llama-completion from benchmarks/build_llama_cpp.sh, its `prompt eval time`); then
 `--decode-tokens` greedy decode steps after that prompt, ours timed per step and llama.cpp's from its own `eval
 time` (ms per run). Same thread count; best of `--reps`, our variants and llama.cpp interleaved.
 
-    python benchmarks/prefill_rate.py [--tokens 500] [--reps 3] [--decode-tokens 128] --load-note "quiet" --json benchmarks/results/prefill_rate_avx2.json
+    python benchmarks/prefill_rate.py [--tokens 500] [--reps 3] [--decode-tokens 128] --load-note "quiet" --json benchmarks/results/costs/prefill_rate.json
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import hetero_sd
 from hetero_sd.bench.peers_llama import build_dir, build_info, number
+from hetero_sd.bench.runner import machine
+from hetero_sd.devices import capability
 from hetero_sd.prompts import load_prompts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_ab import lscpu  # noqa: E402
 
 
 def llama_rates(gguf: str, text: str, threads: int, decode: int) -> tuple[float, int, float]:
@@ -85,7 +83,7 @@ def main() -> None:
             best["llama.cpp"] = max(best["llama.cpp"], rate)
             step_ms["llama.cpp"] = min(step_ms["llama.cpp"], ms)
         print({k: round(v, 1) for k, v in best.items()}, {k: round(v, 2) for k, v in step_ms.items()}, flush=True)
-    doc = {"command": " ".join(["python"] + sys.argv), "lscpu": lscpu(), "threads": threads, "prompt_tokens": len(ids),
+    doc = {"command": " ".join(["python"] + sys.argv), "machine": {**machine(), "capability": capability()}, "threads": threads, "prompt_tokens": len(ids),
            "llama_cpp_prompt_tokens": llama_tokens, "llama_cpp": build_info(),
            "load_note": args.load_note,
            "prefill_tokens_per_s": {k: round(v, 1) for k, v in best.items()},

@@ -1,9 +1,9 @@
-"""Time to first token at turn 5 of a conversation, without and with the prefix cache (Runtime.prefix_cache,
+"""Time to first token at the fifth turn of a conversation, without and with the prefix cache (Runtime.prefix_cache,
 on in `hetero-sd serve`). The conversation is built once (T=0 answers); then, for each repeat and each
-setting, turns 1-4 are replayed (with the cache on they leave their caches behind) and turn 5 is timed.
+setting, the first four turns are replayed (with the cache on they leave their caches behind) and the fifth is timed.
 Writes JSON with each run's TTFT, the medians, the prompt length and the tokens reused.
 
-    python benchmarks/prefix_cache_ttft.py --json benchmarks/results/prefix_cache_ttft.json"""
+    python benchmarks/prefix_cache_ttft.py --json benchmarks/results/serving/prefix_cache_ttft.json"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--draft", default="default")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default="benchmarks/results/prefix_cache_ttft.json")
+    ap.add_argument("--json", default="benchmarks/results/serving/prefix_cache_ttft.json")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     rt = hetero_sd.load(args.target, args.draft)

@@ -2,7 +2,7 @@
 every response checked complete (a finish reason, usage). Writes JSON: requests, errors, latency and
 time-to-first-token percentiles (streamed requests), tokens, wall time, the machine and its load.
 
-    python benchmarks/server_load.py --json benchmarks/results/server_load.json            # spawns the server
+    python benchmarks/server_load.py --json benchmarks/results/serving/server_load.json            # spawns the server
     python benchmarks/server_load.py --url http://127.0.0.1:8000 --clients 16 --requests 4  # an existing one
 
 Without --url it starts `hetero-sd serve` (default model and draft, or --serve-args) on a free port,
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole load")
-    ap.add_argument("--json", default="benchmarks/results/server_load.json")
+    ap.add_argument("--json", default="benchmarks/results/serving/server_load.json")
     ap.add_argument("--note", default="", help="recorded in the JSON (e.g. what else the machine was running)")
     args = ap.parse_args()
     proc, url = (None, args.url) if args.url else spawn(args.serve_args)

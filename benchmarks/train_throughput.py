@@ -6,7 +6,7 @@ steps pay one-time costs), the config, the CPU model, torch's version and CPU ca
 CPU seconds (the process's, all threads) are what the run got of the machine whatever else ran beside it;
 wall seconds on a shared machine mean little.
 
-    python benchmarks/train_throughput.py --steps 30 --json benchmarks/results/training/throughput_before.json
+    python benchmarks/train_throughput.py --steps 30 --json /tmp/throughput.json
     python benchmarks/train_throughput.py --steps 30 --config '{"anchors": 0}' --feature-cache DIR --json ...
 
 Feature computation (the target's forward per sequence) is part of a step when the features are not on
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--init-from", default="cpu-trained")
     ap.add_argument("--config", default="{}", help="JSON: TrainConfig fields to override")
     ap.add_argument("--feature-cache", help="features on disk (TrainConfig.feature_cache), where the trainer has it")
-    ap.add_argument("--out", default="/work/train-out/throughput", help="the run's folder (checkpoints: not git)")
+    ap.add_argument("--out", default="/tmp/train-out/throughput", help="the run's folder (checkpoints: not git)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--label", default="")
     args = ap.parse_args()
