@@ -1,6 +1,6 @@
-"""The native CPU kernels: C++ source files beside this module (gemm.cpp, quant.cpp, quant8.cpp, fused.cpp
-(with attend_q8.h)),
-each registered as torch custom ops (TORCH_LIBRARY: torch.ops.hetero_sd_<name>.*, seen by torch.profiler
+"""The native CPU kernels: C++ source files beside this module (gemm.cpp, quant.cpp, quant8.cpp, fused.cpp with
+the layer's ops by file: fused_norm_rope.h, fused_attend.h and attend_q8.h, fused_swiglu.h), each one translation
+unit registered as torch custom ops (TORCH_LIBRARY: torch.ops.hetero_sd_<name>.*, seen by torch.profiler
 and torch.compile), compiled once at run time by torch.utils.cpp_extension into its cache
 (~/.cache/torch_extensions) and loaded from there by every later run. The Python wrappers that choose and
 call them are one level up (gemm.py, quant.py, quant8.py, fused.py); this package imports none of them."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -54,9 +55,8 @@ def build(name: str, folder: Path = HERE):
     under one name rebuild it for each other (their include paths differ) and wait on each other's build
     lock, which stalled a generation for minutes when another checkout's tests ran."""
     source = folder / f"{name}.cpp"
-    # the headers beside it count too (fused.cpp includes attend_q8.h): a changed header is another build
-    key = f"{sys.prefix}|{torch.__version__}|".encode() + source.read_bytes()
-    key += b"".join(h.read_bytes() for h in sorted(folder.glob("*.h")))
+    # the headers it includes count too: a changed header is another build of the sources that include it
+    key = f"{sys.prefix}|{torch.__version__}|".encode() + b"".join(p.read_bytes() for p in included(source))
     ninja_on_path()
     try:
         from torch.utils.cpp_extension import load
@@ -67,6 +67,20 @@ def build(name: str, folder: Path = HERE):
         error.__cause__ = e
         return error
     return getattr(torch.ops, f"hetero_sd_{name}")
+
+
+def included(source: Path) -> list[Path]:
+    """The source and every header beside it that it includes (#include "x.h"), recursively, in include order."""
+    seen: list[Path] = []
+
+    def visit(path: Path) -> None:
+        if path in seen:
+            return
+        seen.append(path)
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
+            visit(path.parent / name)
+    visit(source)
+    return seen
 
 
 def ninja_on_path() -> None:

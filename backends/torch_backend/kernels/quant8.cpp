@@ -62,15 +62,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < x.KB; ++b) {
     const uint8_t* blk = w + b * BB;
-    // non-temporal: the weights stream through once per forward (96 MB against a 32 MB L3); a T0 prefetch put them
-    // in L2 and, evicted, in the L3, pushing out what the next calls read again (the draft's 13 MB, the rows). On the
-    // 2-core Zen 5 (3 alternating rounds each, 27 Nov): decode 0.86-0.97x, verify-8 0.75-0.93x, a block-2 step of the
-    // loop 1.30-1.35 plain steps against 1.33-1.47 (benchmarks/results/nta_zen5/). The AVX2 tiles keep T0: forced on the
-    // same CPU (HETERO_SD_QUANT_ISA=avx2), NTA there made verify-8 1.01-1.13x slower (decode within noise).
-    // 24 blocks ahead (7.7 KB of Q4_1), not 12: a non-temporal line waits in an L1 miss buffer, so how far ahead
-    // the stream is requested bounds how fast one core reads it; in the VM's minutes with a fast bus (the probe
-    // reading 63-78 GB/s) 24 beat 12 in 30 of 30 alternating rounds for verify-8 (0.973x) and 24 of 30 for decode
-    // (0.974x), within noise at 45 GB/s; 16, 32 and 48 no better than 24 (benchmarks/results/prefetch_distance_zen5/).
+    // Non-temporal: the weights stream through once per forward (96 MB against a 32 MB L3); a T0 prefetch would put
+    // them in L2 and, evicted, in the L3, pushing out what the next calls read again (the draft, the rows): on the
+    // 2-core Zen 5, decode 0.86-0.97x and verify-8 0.75-0.93x the time. (The AVX2 tiles keep T0: there NTA was slower.)
+    // 24 blocks ahead (7.7 KB of Q4_1): a non-temporal line waits in an L1 miss buffer, so how far ahead the stream
+    // is requested bounds how fast one core reads it (verify-8 0.97x the time of 12 blocks ahead).
     for (int l = 0; l < BB; l += 64) _mm_prefetch((const char*)(blk + 24 * BB + l), _MM_HINT_NTA);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512i s[R];
@@ -100,20 +96,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void tile512(
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Tried and dropped on AVX-512 (Zen 5): Q4_1 tiles in pairs, up to 4 rows (each row's broadcast codes serving
-// 32 columns, bitwise the same sums): 8-15% less time at 2-16 rows on one matrix, one thread, but the whole
-// target's verify-8 took 5.4-5.7 ms against 4.35-4.63 without them (2 threads, 3 alternating runs, minima of
-// 80 forwards); on the Q8_0 head 5-35% slower even alone.
 // AVX2 (vpmaddubsw + vpmaddwd). Q4_1: up to 4 rows per loaded tile, accumulators in registers. Q8_0 (the head,
 // the largest matrix): up to 8 rows, their float accumulators in memory (8 rows of int32 sums fill the
-// registers): 5-14% less time than 4 rows at 8-33 rows on an 8192-column Q8_0 matrix in 2 of 3 interleaved runs
-// on a loaded AVX2-only EPYC, within that machine's noise on the 49152-column head
-// (benchmarks/results/quant8_ab_avx2.json): no robust gain, kept as bitwise the same.
-// Tried and dropped for Q4_1: int16 pair sums added over the block's 4 groups before one vpmaddwd (2.25
-// instead of 3 multiplies per 64 products) and 8 rows: 0-15% SLOWER there (gcc spills the unpacked groups).
-// Retried with at most 4 rows in registers (no spills; bitwise the same sums): 8-12% slower at 4-16 rows, 3-5%
-// faster at 1 row, one thread, matrices in cache, 3 interleaved rounds in one process
-// (benchmarks/results/quant8_i16_ab_avx2.json): fewer multiplies do not pay; the multiply ports are not the bound.
+// registers). Q4_1 takes 3 multiplies per 64 products: the multiply ports are not what bounds these tiles.
 // The epilogue is once per block and row, the same two fmadds in the same order whatever R: a row's bits do not
 // depend on the rows beside it.
 template <int R, bool Q41>
@@ -265,13 +250,8 @@ struct Codes {  // int8 codes of M rows of K inputs, and per block of 32 their s
 constexpr int64_t kKeep = 1 << 20;  // bytes of codes a thread keeps between calls (64 rows of 16k inputs)
 static Codes& kept_codes() { static thread_local Codes codes; return codes; }
 
-// Threads take fixed halves of the tiles. Tried and dropped (2-core Zen 5, benchmarks/kernel_ab.py, one
-// process, 8 alternating rounds, bitwise the same; 16th session): chunks claimed from an atomic counter as the
-// threads come free (libgomp's spin was ~1/4 of a decode step's samples): 1.03-1.16x SLOWER (decode and verify,
-// 3 or 4 chunks a thread, prefetch clamped to the chunk or not); each thread's first 24 blocks requested
-// together before its tiles (the prefetch starts only at the tiles): 0.997-1.005x. Each thread streaming its own
-// half front to back and, done early, taking the other half's last tiles back to front (one CAS a tile, 19th
-// session, kernel_ab.py --rev HEAD, 8 rounds): decode 1.06x, verify-8 1.17x, verify-16 1.07x SLOWER.
+// Threads take fixed halves of the tiles: each streams its own range front to back, the order its prefetch
+// follows (work claimed as threads come free was slower on the 2-core Zen 5: decode and verify 1.03-1.16x the time).
 // x [M, K] float32 -> y [M, tiles*NB]; packed [tiles][K/32][block bytes x NB]
 // x [..., K] float32 (made contiguous here) -> y [..., n], the shapes handled here as quant.qgemm does
 at::Tensor qgemm8(at::Tensor x_in, at::Tensor packed, bool q41, bool avx512, int64_t amx_rows, int64_t n) {
