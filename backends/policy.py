@@ -21,10 +21,7 @@ class LoadPolicy:
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
     k_q8: bool = True  # ... and its K as q8_0 blocks (llama.cpp's -ctk q8_0), where the CPU has AVX512-VNNI
-    quant_isa: str | None = None  # "avx2": the GGUF kernels' AVX2 variant on an AVX-512 CPU (comparisons)
     attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
-    amx_rows: int | None = None  # from how many rows int8 blocks use AMX tiles (None: the CPU's default)
-    lane_threads: bool = False  # every backend call on its lane's thread, none inline (measures lanes.py's rule)
     steps: str = "auto"  # decode/verify/draft steps: "graphs" (fixed shapes captured as CUDA graphs), "fixed",
     #                      "eager", or "auto" (graphs on CUDA, eager elsewhere): torch_backend/steps.py
     origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")

@@ -156,10 +156,7 @@ class Runtime:
 
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
-                 memory: Memory | None = None, lane_threads: bool = False, verify_gate: float | None = None,
-                 lookup: float = LOOKUP_WEIGHT):
-        """lane_threads: every backend call on its lane's worker thread, none inline in the caller's
-        (LoadPolicy.lane_threads; HETERO_SD_LANE_THREADS=1 in the CLI: to measure the inline rule, lanes.py)."""
+                 memory: Memory | None = None, verify_gate: float | None = None, lookup: float = LOOKUP_WEIGHT):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
@@ -171,9 +168,8 @@ class Runtime:
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
         self.costs_rechecked = False
-        inline = False if lane_threads else None  # None: lanes.py's rule (torch CPU work inline)
-        self.target_lane = Lane("target", target.device, inline)
-        self.draft_lane = Lane("draft", draft.device if draft else target.device, inline)
+        self.target_lane = Lane("target", target.device)  # torch CPU work inline in the caller's thread (lanes.py)
+        self.draft_lane = Lane("draft", draft.device if draft else target.device)
         self.slots = Slots(target, draft, self.target_lane, self.draft_lane)
         self.closed = False
         # Reuse the KV cache and the draft's context of the longest prompt prefix a finished generation
@@ -505,8 +501,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                          cpu_threads=cpu_threads, policy=policy or DEFAULT)
     t, d, info = loaded.target, loaded.draft, loaded.info
     if d is None:
-        rt = Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule,
-                     lane_threads=(policy or DEFAULT).lane_threads)
+        rt = Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
         rt.chat_options = options
         return rt
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
@@ -514,8 +509,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
                                 code_id(t, d), policy or DEFAULT)
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
-                 lane_threads=(policy or DEFAULT).lane_threads, verify_gate=validate.verify_gate(verify_gate),
-                 lookup=lookup)
+                 verify_gate=validate.verify_gate(verify_gate), lookup=lookup)
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

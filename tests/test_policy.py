@@ -18,20 +18,15 @@ BACKENDS = pathlib.Path(__file__).resolve().parents[1] / "backends"
 
 def test_the_cli_reads_the_variables_and_names_them():
     assert policy_from_env({}) == LoadPolicy()
-    p = policy_from_env({"HETERO_SD_QUANT": "off", "HETERO_SD_FUSED": "0", "HETERO_SD_GEMM": "torch",
-                         "HETERO_SD_QUANT_ISA": "avx2", "HETERO_SD_AMX_ROWS": "4", "HETERO_SD_HOME": "/x"})
-    assert (p.quant, p.fused, p.gemm, p.quant_isa, p.amx_rows) == (False, False, False, "avx2", 4)
-    assert "HETERO_SD_GEMM=torch" in p.why() and "HETERO_SD_HOME" not in p.origin
-    with pytest.raises(ConfigError, match="HETERO_SD_QUANT_ISA='sse'"):
-        policy_from_env({"HETERO_SD_QUANT_ISA": "sse"})
-    with pytest.raises(ConfigError, match="HETERO_SD_AMX_ROWS='many'"):
-        policy_from_env({"HETERO_SD_AMX_ROWS": "many"})
+    p = policy_from_env({"HETERO_SD_QUANT": "off", "HETERO_SD_FUSED": "0", "HETERO_SD_DRAFT_HEAD": "float",
+                         "HETERO_SD_DRAFT_VOCAB": "off", "HETERO_SD_HOME": "/x"})
+    assert (p.quant, p.fused, p.draft_int8_head, p.draft_vocab) == (False, False, False, False)
+    assert "HETERO_SD_QUANT=off" in p.why() and "HETERO_SD_HOME" not in p.origin
     with pytest.raises(ConfigError, match="HETERO_SD_KV='f32'"):
         policy_from_env({"HETERO_SD_KV": "f32"})
     assert not policy_from_env({"HETERO_SD_KV": "float32"}).kv_f16 and policy_from_env({}).kv_f16
     assert policy_from_env({}).k_q8 and policy_from_env({"HETERO_SD_KV": "Q8_0"}).k_q8
     assert not policy_from_env({"HETERO_SD_KV": "float16"}).k_q8 and policy_from_env({"HETERO_SD_KV": "float16"}).kv_f16
-    assert not policy_from_env({"HETERO_SD_STACK": "off"}).stack and policy_from_env({}).stack
     assert policy_from_env({}).draft_layer_blocks == "Q8_0"
     for value, int8, kind in (("q4_1", True, "Q4_1"), ("int8", True, "Q8_0"), ("float", False, "Q8_0")):
         p = policy_from_env({"HETERO_SD_DRAFT_LAYERS": value})
@@ -66,12 +61,3 @@ def test_only_the_cli_reads_switches_outside_the_backends_too():
         if "cli" in path.relative_to(root).parts or path.name == "home.py":
             continue
         assert not re.search(r"(environ|getenv)[^\n]*HETERO_SD_", path.read_text()), path
-
-
-def test_lane_threads_are_a_policy_passed_down(tiny_llama):
-    assert policy_from_env({"HETERO_SD_LANE_THREADS": "1"}).lane_threads and not policy_from_env({}).lane_threads
-    inline = hetero_sd.load(str(tiny_llama), None)
-    threads = hetero_sd.load(str(tiny_llama), None, policy=LoadPolicy(lane_threads=True))
-    assert inline.target_lane.inline and not threads.target_lane.inline and not threads.draft_lane.inline
-    assert threads.generate([5, 6, 7], max_new_tokens=4).token_ids == inline.generate([5, 6, 7], max_new_tokens=4).token_ids
-    assert threads.target_lane.ran["thread"] > 0 and threads.target_lane.ran["inline"] == 0

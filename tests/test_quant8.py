@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hetero_sd
-from hetero_sd.backends.torch_backend import quant, quant8
+from hetero_sd.backends.torch_backend import fused, quant, quant8
 from hetero_sd.backends.torch_backend.cpu import cpu_flags
 from hetero_sd.errors import ConfigError
 
@@ -163,26 +163,33 @@ def test_int8_target_keeps_llama_cpp_kv_caches_and_stays_lossless(default_folder
 
 
 @pytest.mark.slow
-def test_the_default_target_and_draft_walk_their_layers_in_one_call(default_folder):
+def test_the_default_target_and_draft_walk_their_layers_in_one_call(default_folder, monkeypatch):
     """The int8 default target (and its CPU draft's block) walk all layers in one C++ call (fused.py
-    `layers`), named in the weight plan; HETERO_SD_STACK=off walks them op by op from Python: bitwise the same
-    logits, features and draft block, the same tokens."""
-    from hetero_sd.cli.policy import policy_from_env
+    `layers`), named in the weight plan: bitwise the same logits, features and draft block, and the same tokens,
+    as the same ops called layer by layer from Python (FusedLayerOps.stack=False: the walk the ops that `layers`
+    does not take still run)."""
+    rt = hetero_sd.load("default", "default", block_size=4)
+    assert "one-call layer walk" in rt.info["weight_plan"]
+    ext, calls = fused.extension(), []
+    one_call = ext.layers
+    monkeypatch.setattr(ext, "layers", lambda *a: calls.append(1) or one_call(*a))
+    ids = rt.tokenizer.encode("Write a Python function that checks whether a number is prime.")
+    prompt = "Explain what a hash table is."
 
-    one = hetero_sd.load("default", "default", block_size=4)
-    walked = hetero_sd.load("default", "default", block_size=4, policy=policy_from_env({"HETERO_SD_STACK": "off"}))
-    assert "one-call layer walk" in one.info["weight_plan"] and "one-call" not in walked.info["weight_plan"]
-    ids = one.tokenizer.encode("Write a Python function that checks whether a number is prime.")
-    outs = []
-    for rt in (one, walked):
+    def run():
         t, d = rt.target.fork(), rt.draft.fork()
         prefill, verify = t.forward(ids), t.forward(ids[:5])
         d.add_context(torch.cat([prefill.features, verify.features]))
-        outs.append([prefill.logits, prefill.features, verify.logits, verify.features, d.propose(ids[5])])
-        assert bool(t.ops.stacks) == (rt is one)
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-    prompt = "Explain what a hash table is."
-    assert one.generate(prompt, max_new_tokens=48).token_ids == walked.generate(prompt, max_new_tokens=48).token_ids
+        return [prefill.logits, prefill.features, verify.logits, verify.features, d.propose(ids[5])], \
+            rt.generate(prompt, max_new_tokens=48).token_ids
+
+    one, one_tokens = run()
+    assert calls
+    monkeypatch.setattr(rt.target.ops, "stack", False)
+    monkeypatch.setattr(rt.draft.model.fused_ops, "stack", False)
+    calls.clear()
+    walked, walked_tokens = run()
+    assert not calls and all(torch.equal(a, b) for a, b in zip(one, walked)) and one_tokens == walked_tokens
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def load_draft(folder: Path, cfg: DraftConfig, target, device: str, dtype: torch
     feature_size = len(target.layer_ids) * target.config.hidden_size
     int8, lm_head, ids = int8_head and policy.draft_int8_head, as_torch(target.lm_head), head.vocab_ids(tensors, policy)
     if ids is not None:  # a reduced head: those rows of the target's head (head.py)
-        mm, note = head.reduced_blocks(target, ids, lm_head, device, int8, policy)
+        mm, note = head.reduced_blocks(target, ids, lm_head, device, int8)
         note = note or draft_vocab.describe(ids.numel(), lm_head.shape[1])
     else:  # another backend's target (MLX) has no torch head to share: the draft then makes its own
         mm, note = target.head_for(device, dtype, int8) if isinstance(target, TorchTarget) else (None, None)

@@ -65,7 +65,7 @@ def sliced(lm_head: torch.Tensor, ids: torch.Tensor, device: str, dtype: torch.d
     return orient(lm_head.t()[ids.to(lm_head.device)].to(device, dtype))
 
 
-def reduced_blocks(target, ids: torch.Tensor, lm_head: torch.Tensor, device: str, int8: bool, policy: LoadPolicy):
+def reduced_blocks(target, ids: torch.Tensor, lm_head: torch.Tensor, device: str, int8: bool):
     """On the CPU, the target's GGUF head blocks at the K rows times int8 rows (what plan.draft_head does for
     the whole head: the draft only proposes), with a note; else (None, None): the dense rows then."""
     plan = getattr(target, "plan", None)
@@ -75,8 +75,7 @@ def reduced_blocks(target, ids: torch.Tensor, lm_head: torch.Tensor, device: str
     kind, rows = head
     try:
         mm = quant8.Int8Blocks(kind, np.ascontiguousarray(np.asarray(rows)[ids.cpu().numpy()]),
-                               sliced(lm_head, ids, "cpu", torch.float32), None,
-                               quant8.isa(policy.quant_isa, plan.flags), policy.amx_rows)
+                               sliced(lm_head, ids, "cpu", torch.float32), None, quant8.isa(flags=plan.flags))
     except KernelUnavailable:  # the dense rows then; nothing the user chose is lost
         return None, None
     return mm, (f"{draft_vocab.describe(ids.numel(), rows.shape[0])}: the GGUF's {kind} blocks of those rows times "

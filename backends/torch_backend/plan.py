@@ -98,9 +98,8 @@ class WeightPlan:
         kernel = quant8.Int8Blocks if self.activations == INT8 else quant.Quantized
         try:
             if kernel is quant8.Int8Blocks:
-                return kernel(kind, data, self.dense(weight_t), None, quant8.isa(self.policy.quant_isa, self.flags),
-                              self.policy.amx_rows)
-            return kernel(kind, data, self.dense(weight_t), weight_t, quant.isa(self.policy.quant_isa, self.flags))
+                return kernel(kind, data, self.dense(weight_t), None, quant8.isa(flags=self.flags))
+            return kernel(kind, data, self.dense(weight_t), weight_t, quant.isa(flags=self.flags))
         except (KernelUnavailable, ValueError) as e:
             raise BlocksRefused(getattr(e, "summary", str(e))) from e
 
@@ -125,8 +124,7 @@ class WeightPlan:
         if self.activations == INT8:
             return head_mm
         try:
-            return quant8.Int8Blocks(head[0], head[1], head_mm.fallback, None,
-                                     quant8.isa(self.policy.quant_isa, self.flags), self.policy.amx_rows)
+            return quant8.Int8Blocks(head[0], head[1], head_mm.fallback, None, quant8.isa(flags=self.flags))
         except KernelUnavailable:  # the target's own head then; nothing the user chose is lost
             return None
 
@@ -152,8 +150,7 @@ class WeightPlan:
             try:
                 kind = quant.Q4_1 if self.policy.draft_layer_blocks == quant.Q4_1 else quant.Q8_0
                 rows = quantize(weight_t.t().contiguous().numpy(), GGMLQuantizationType[kind])
-                return quant8.Int8Blocks(kind, rows, self.dense(weight_t), None,
-                                         quant8.isa(self.policy.quant_isa), self.policy.amx_rows)
+                return quant8.Int8Blocks(kind, rows, self.dense(weight_t), None, quant8.isa())
             except KernelUnavailable as e:
                 why = e.summary
         note = f"draft layers: float32 (no int8 kernel: {why})"
@@ -180,7 +177,7 @@ class WeightPlan:
 
 def int8_kernel_missing(policy: LoadPolicy, flags: frozenset[str] | None) -> str | None:
     """Why the int8-row kernel cannot run on a CPU with these flags (None: this one's), or None when it can."""
-    if quant8.isa(policy.quant_isa, flags) is None:
+    if quant8.isa(flags=flags) is None:
         return "this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C"
     try:
         quant8.extension()
@@ -254,7 +251,7 @@ def with_blocks(plan: WeightPlan, gguf, cfg) -> WeightPlan:
         return plan
     kernel = quant8 if plan.activations == INT8 else quant
     try:
-        if kernel.isa(plan.policy.quant_isa, plan.flags) is None:
+        if kernel.isa(flags=plan.flags) is None:
             raise KernelUnavailable(f"this CPU has no {'AVX512-VNNI nor ' if kernel is quant8 else 'AVX-512 nor '}"
                                     "AVX2+FMA+F16C")
         kernel.extension()

@@ -42,7 +42,7 @@ NOTE = "target weights"
 
 def isa(prefer: str | None = None, flags: frozenset[str] | None = None) -> str | None:
     """'avx512', 'avx2' (with FMA and F16C), or None, for a CPU with these flags (default: this one's).
-    prefer='avx2' takes the AVX2 kernel on an AVX-512 CPU (LoadPolicy.quant_isa: comparisons)."""
+    prefer='avx2': the AVX2 kernel on an AVX-512 CPU, the code an AVX2-only CPU runs (the tests run both)."""
     return pick_isa({"avx512f"}, {"avx2", "fma", "f16c"}, prefer, flags)
 
 

@@ -29,15 +29,14 @@ from .quant import extension as quant_extension
 
 def isa(prefer: str | None = None, flags: frozenset[str] | None = None) -> str | None:
     """'avx512' (with BW and VNNI), 'avx2' (with FMA and F16C), or None, for a CPU with these flags (default:
-    this one's). prefer='avx2' takes the AVX2 kernel on an AVX-512 CPU (LoadPolicy.quant_isa)."""
+    this one's). prefer='avx2': the AVX2 kernel on an AVX-512 CPU, the code an AVX2-only CPU runs (the tests run both)."""
     return pick_isa({"avx512f", "avx512bw", "avx512_vnni", "f16c"}, {"avx2", "fma", "f16c"}, prefer, flags)
 
 
 def amx_rows(forced: int | None = None, flags: frozenset[str] | None = None) -> int:
-    """From how many rows the AMX tiles take over from VNNI (0: never): `forced` (LoadPolicy.amx_rows), else
-    12 where the CPU has AMX-INT8. Measured on a Sapphire Rapids Xeon, 2 threads: at 16 rows the Q8_0 head takes 1.04
-    ms instead of 1.50, Q4_1 matrices ~5% less; at 8 rows and fewer AMX loses (per block it stores the
-    tile and scales every row: the epilogue, not the products, is what costs)."""
+    """From how many rows the AMX tiles take over from VNNI (0: never): `forced` (the tests compare both paths),
+    else 12 where the CPU has AMX-INT8: at 16 rows the Q8_0 head takes 1.04 ms instead of 1.50 on a Sapphire Rapids
+    Xeon; at 8 rows and fewer AMX loses (per block it stores the tile and scales every row)."""
     if forced is not None:
         return forced
     return 12 if {"amx_tile", "amx_int8"} <= (cpu_flags() if flags is None else flags) else 0

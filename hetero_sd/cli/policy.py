@@ -10,25 +10,17 @@ from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.errors import ConfigError
 
 OFF = ("off", "0", "no", "false")
-ISAS = ("avx2", "avx512")
 
 
 def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     """HETERO_SD_QUANT=off (float32 weights, not the GGUF's blocks), HETERO_SD_FUSED=off (torch ops for
-    the layer), HETERO_SD_STACK=off (the fused ops called one by one from Python, not the whole walk in one
-    C++ call), HETERO_SD_GEMM=torch (torch's float32 matmul), HETERO_SD_DRAFT_HEAD=float (the draft
-    multiplies the target's own head), HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float
-    dtype, not GGUF blocks times int8 rows; =q4_1: Q4_1 blocks, not the default Q8_0), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
-    target's whole head), HETERO_SD_KV=float16 (the int8 target's K in float16, not q8_0 blocks where the CPU has
-    AVX512-VNNI; V is float16 either way; =float32: K and V in float32),
-    HETERO_SD_QUANT_ISA / HETERO_SD_ATTEND_ISA=avx2 (the AVX2 kernels
-    on an AVX-512 CPU), HETERO_SD_AMX_ROWS=N, HETERO_SD_LANE_THREADS=1 (every backend call on its lane's
-    thread: measures the inline rule of decoding/lanes.py)."""
+    the layer), HETERO_SD_DRAFT_HEAD=float (the draft multiplies the target's own head),
+    HETERO_SD_DRAFT_LAYERS=float (the draft's own matrices in its float dtype, not GGUF blocks times int8 rows;
+    =q4_1: Q4_1 blocks, not the default Q8_0), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
+    target's whole head), HETERO_SD_KV=float16 (the int8 target's K in float16, not q8_0 blocks where the CPU
+    has AVX512-VNNI; V is float16 either way; =float32: K and V in float32)."""
     env = os.environ if environ is None else environ
     given = {k: v for k, v in env.items() if k.startswith("HETERO_SD_") and k in NAMES}
-    for name in ("HETERO_SD_QUANT_ISA", "HETERO_SD_ATTEND_ISA"):
-        if name in given and given[name] not in ISAS:
-            raise ConfigError(f"{name}={given[name]!r} is not an instruction set here", f"use one of {', '.join(ISAS)}")
     kv = given.get("HETERO_SD_KV", "q8_0").lower()
     if kv not in ("q8_0", "float16", "float32"):
         raise ConfigError(f"HETERO_SD_KV={given['HETERO_SD_KV']!r} is not a K/V cache type",
@@ -37,25 +29,15 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     if layers not in ("q4_1", "q8_0", "int8", "float"):
         raise ConfigError(f"HETERO_SD_DRAFT_LAYERS={given['HETERO_SD_DRAFT_LAYERS']!r} is not a draft layer format",
                           "use q8_0 (the default), q4_1 or float")
-    amx = given.get("HETERO_SD_AMX_ROWS")
-    if amx is not None and not amx.isdigit():
-        raise ConfigError(f"HETERO_SD_AMX_ROWS={amx!r} is not a row count", "use a whole number >= 0 (0: never AMX)")
     return LoadPolicy(quant=given.get("HETERO_SD_QUANT", "on").lower() not in OFF,
                       fused=given.get("HETERO_SD_FUSED", "on").lower() not in OFF,
-                      stack=given.get("HETERO_SD_STACK", "on").lower() not in OFF,
-                      gemm=given.get("HETERO_SD_GEMM", "kernel") != "torch",
                       draft_int8_head=given.get("HETERO_SD_DRAFT_HEAD", "int8") != "float",
                       draft_int8_layers=layers != "float",
-                      draft_layer_blocks="Q4_1" if layers == "q4_1" else "Q8_0",  # ("int8": Q8_0, its name before)
+                      draft_layer_blocks="Q4_1" if layers == "q4_1" else "Q8_0",  # ("int8": Q8_0 too)
                       draft_vocab=given.get("HETERO_SD_DRAFT_VOCAB", "on").lower() not in OFF,
                       kv_f16=kv != "float32", k_q8=kv == "q8_0",
-                      quant_isa=given.get("HETERO_SD_QUANT_ISA"), attend_isa=given.get("HETERO_SD_ATTEND_ISA"),
-                      amx_rows=None if amx is None else int(amx),
-                      lane_threads=given.get("HETERO_SD_LANE_THREADS") == "1",
                       origin=", ".join(f"{k}={v}" for k, v in sorted(given.items())))
 
 
-NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_STACK", "HETERO_SD_GEMM", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS", "HETERO_SD_KV",
-         "HETERO_SD_QUANT_ISA",
-         "HETERO_SD_ATTEND_ISA", "HETERO_SD_AMX_ROWS", "HETERO_SD_DRAFT_VOCAB",
-         "HETERO_SD_LANE_THREADS")
+NAMES = ("HETERO_SD_QUANT", "HETERO_SD_FUSED", "HETERO_SD_DRAFT_HEAD", "HETERO_SD_DRAFT_LAYERS",
+         "HETERO_SD_DRAFT_VOCAB", "HETERO_SD_KV")

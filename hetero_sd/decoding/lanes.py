@@ -31,14 +31,14 @@ from .timeline import Timeline
 
 
 INLINE_DEVICES = ("cpu", "ane-sim")  # torch on this process's CPU: no device affinity to keep
+# CUDA too: torch sets the device per call, and a step captured as a CUDA graph is one launch, so a handoff to
+# the lane's thread and back (two futex wake-ups, tens of microseconds in a VM) would be a sizeable part of it
 
 
 class Lane:
-    def __init__(self, name: str, device: str, inline: bool | None = None):
+    def __init__(self, name: str, device: str):
         self.name, self.device = name, device
-        if inline is None:  # False: every job on the lane threads (LoadPolicy.lane_threads: to measure the rule)
-            inline = device in INLINE_DEVICES
-        self.inline = inline
+        self.inline = device in INLINE_DEVICES or device.startswith("cuda")
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
         self.busy = threading.Lock()  # one job at a time, in the lane's thread or a caller's
         self.queued = 0  # jobs handed to the thread and not finished
