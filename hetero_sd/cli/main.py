@@ -127,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
     add_vocab_parser(sub)
     from hetero_sd.train.corpus_lookup import add_parser as add_lookup_parser
     add_lookup_parser(sub)
+    from .export import add_parser as add_export_parser
+    add_export_parser(sub)
     from .serve import add_parser as add_serve_parser
     add_serve_parser(sub, add_model_args, add_sampling_args)
 
@@ -315,6 +317,11 @@ def cmd_draft_vocab(args) -> None:
     command(args)
 
 
+def cmd_export_draft(args) -> None:
+    from .export import command
+    command(args)
+
+
 def cmd_draft_lookup(args) -> None:
     from hetero_sd.train.corpus_lookup import command
     command(args)
@@ -332,7 +339,7 @@ def cmd_train_draft(args) -> None:
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "chat": cmd_chat, "compile-ane": cmd_compile_ane, "devices": cmd_devices, "fetch": cmd_fetch,
             "train-draft": cmd_train_draft, "serve": cmd_serve, "draft-vocab": cmd_draft_vocab,
-            "draft-lookup": cmd_draft_lookup}
+            "draft-lookup": cmd_draft_lookup, "export-draft": cmd_export_draft}
 
 
 CHECKED = ("generate", "bench", "chat", "serve")  # train-draft checks its own arguments
