@@ -55,8 +55,8 @@ class Runner:
     the same K/V at the same slots), so warming up, capturing and replaying leave the caches as one run would.
     Outputs of a graph live in its pool and are overwritten by its next replay: callers copy what they keep."""
 
-    def __init__(self, mode: str):
-        self.mode = mode
+    def __init__(self, mode: str, device: str):
+        self.mode, self.device = mode, torch.device(device)
         self.graphs: dict = {}
         self.pool = None
         self.captures = 0
@@ -67,10 +67,15 @@ class Runner:
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn)
         graph, outputs = self.graphs[key]
-        graph.replay()
+        with torch.cuda.device(self.device):  # replayed on the current stream of the model's device
+            graph.replay()
         return outputs
 
     def capture(self, fn):
+        with torch.cuda.device(self.device):
+            return self.capture_here(fn)
+
+    def capture_here(self, fn):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy inits)
@@ -78,7 +83,8 @@ class Runner:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the other lane (a CPU draft copying features off this GPU) may call CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = fn()
         self.pool = graph.pool()  # every bucket's graph shares one memory pool
         self.captures += 1
@@ -113,7 +119,7 @@ class TargetSteps:
         self.inputs = torch.zeros(2, BUCKETS[-1], dtype=torch.long, device=device)
         self.keys = torch.arange(self.capacity, device=device)
         self.ops = FixedOps(model.config.rms_norm_eps)
-        self.runner = Runner(mode)
+        self.runner = Runner(mode, device)
 
     def fits(self, start: int, count: int) -> bool:
         rows = bucket(count)
@@ -153,7 +159,7 @@ class DraftSteps:
         self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
         self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=device)
         self.keys = torch.arange(self.capacity, device=device)
-        self.runner = Runner(mode)
+        self.runner = Runner(mode, device)
 
     def block(self, anchor: int, mask_token: int, position: int, start: int, rows: int,
               size: int) -> torch.Tensor:
