@@ -105,7 +105,7 @@ def smollm_random(default_folder):
 
 def pytest_runtest_logreport(report):
     """HETERO_SD_FAILLOG=FILE: each failure's traceback is appended there as it happens, so that a run cut
-    off by a time limit (a lent GPU's call) still says why its failed tests failed."""
+    off by a time limit still says why its failed tests failed."""
     path = os.environ.get("HETERO_SD_FAILLOG")
     if path and report.failed:
         with open(path, "a") as f:

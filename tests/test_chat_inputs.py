@@ -1,4 +1,4 @@
-"""The chat app against bad input (issue 30): a refused temperature in the settings dialog, Enter in a
+"""The chat app against bad input: a refused temperature in the settings dialog, Enter in a
 dialog field, an answer that fails, a model that never loads; driven by Textual's Pilot."""
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def edited(src, dst, config=None, tensors=None):
 
 
 def relabel_as_dflash(raw):
-    """The issue's case: a DFlash2 checkpoint that a runtime reads as plain DFlash."""
+    """A DFlash2 checkpoint relabelled as plain DFlash (what a runtime that knows only DFlash reads)."""
     raw["architectures"] = ["DFlashDraftModel"]
     for k in ref.DFLASH2:
         raw["dflash_config"].pop(k)

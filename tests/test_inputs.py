@@ -1,4 +1,4 @@
-"""Issue 30's input checks: every value a user can type is refused with one line naming it and the fix
+"""Input checks: every value a user can type is refused with one line naming it and the fix
 (exit status 2) before any model loads, or has a documented meaning. Tables keep the cases compact;
 almost all fail before any model work, so they are fast."""
 

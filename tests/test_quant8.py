@@ -69,7 +69,7 @@ def test_a_row_is_bitwise_the_same_in_any_block_and_on_either_isa(on_isa, isa, k
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", [quant.Q4_1, quant.Q8_0])
 def test_prefill_rows_take_the_int8_kernel_with_the_decode_rows_bits(on_isa, isa, kind):
-    """Issue 26: a prompt longer than a verify block is multiplied by the int8 kernel too (llama.cpp quantizes
+    """A prompt longer than a verify block is multiplied by the int8 kernel too (llama.cpp quantizes
     its prompt's rows as well), not by the float32 fallback, and each of its rows has a decode row's bits; the
     AVX2 Q8_0 path takes 8 rows per tile, Q4_1 4: row counts around both (and odd tails) are covered."""
     rows = random_rows(kind, 24, 576, seed=3)

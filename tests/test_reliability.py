@@ -1,4 +1,4 @@
-"""Issue 17: one Runtime shared safely, nothing lost, every bad input refused up front.
+"""One Runtime shared safely, nothing lost, every bad input refused up front.
 
 Sections: concurrency (threads and interleaved streams against sequential T=0 outputs), the API's
 checks, the CLI's (subprocess: exit 2, one `error:` line and a `fix:` line, no traceback), lost work
@@ -99,7 +99,7 @@ def test_generate_many_concurrently_with_generate(shared):
 
 
 def test_default_model_two_threads_at_once(smollm_random):
-    """The issue's case on the real model: two generations at once, with and without the draft."""
+    """On the real model: two generations at once, with and without the draft."""
     prompts = ["Tell me about mathematics.", "Name a colour."]
     for speculative in (True, False):
         kw = dict(max_new_tokens=8, speculative=speculative)

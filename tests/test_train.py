@@ -205,7 +205,7 @@ def test_training_on_the_targets_soft_labels_lowers_the_loss(tmp_path, tiny_llam
 
 
 def test_held_out_rows_of_growing_shards_were_never_trained_on():
-    """Shards grow between sessions; a row in the training part of a smaller data set must never be
+    """Shards grow between runs; a row in the training part of a smaller data set must never be
     held out from a larger one (its held-out tau would be measured on trained-on data)."""
     rows = [{"index": i, "key": f"sharegpt:c{i}_0#0", "response_ids": [1, 2]} for i in range(400)]
     seen_in_training: set[str] = set()
@@ -294,7 +294,7 @@ def test_gamma_is_passed_down_and_refused_when_not_positive(tmp_path):
 
 
 def test_a_time_budget_ends_training_with_a_save(tmp_path, tiny_llama):
-    """--minutes (a GPU lease): the run stops when the budget is spent, evaluated and saved, before --steps."""
+    """--minutes (a time budget): the run stops when the budget is spent, evaluated and saved, before --steps."""
     out = train(tiny_llama, counting_rows(), tmp_path / "d", small_config(steps=10_000, eval_every=5000,
                                                                            minutes=1e-4))
     step = out["history"][-1]["step"]

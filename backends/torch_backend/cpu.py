@@ -1,6 +1,6 @@
 """What this CPU can do natively: its flags, read once (hetero_sd/devices.py: /proc/cpuinfo), and passed to
 the weight plan (plan.py), which hands each kernel its variant. Kernel and dtype choices dispatch on these,
-never on a machine's name: sessions run on AVX2-only EPYCs, AVX-512 EPYCs and Sapphire Rapids Xeons (AMX)."""
+never on a machine's name (the same code runs on AVX2-only EPYCs, AVX-512 EPYCs and Sapphire Rapids Xeons with AMX)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The target's layer as ~12 calls instead of ~50: RMSNorm (with the residual add before it), RoPE on q and
-k with the K/V cache write, and SwiGLU's silu(gate) * up, each one C++ loop.
+"""The target's layer as a few C++ calls instead of ~50 torch ops: RMSNorm (with the residual add before it),
+RoPE on q and k with the K/V cache write, the attention over the cache, and SwiGLU's silu(gate) * up; and, where
+every matrix is GGUF blocks, all the layers in one call (`layers`).
 
-Why: once the decode step's matrices are 4-bit GGUF blocks (quant.py), its weights take ~5 ms to read on
-this project's CPU, and the ~1,500 small torch ops of 30 layers took as long again (torch.profiler,
-benchmarks/README.md): each op costs a few microseconds of dispatch whatever its size. The matrices, the
-attention (SDPA) and everything else stay where they are.
+Why: once the decode step's matrices are GGUF blocks (quant.py, quant8.py), its weights take a few ms to read,
+and the ~1,500 small torch ops of 30 layers took as long again (torch.profiler): each op costs a few
+microseconds of dispatch whatever its size.
 
 Numerics: the same float32 formulas as layers.py (HF Llama's RMSNorm: x * rsqrt(mean(x^2) + eps), then
 times the weight; RoPE x*cos + rotate_half(x)*sin; silu(g) = g / (1 + exp(-g))), summed in a fixed order
@@ -16,7 +16,8 @@ share each tile from registers (verify-8/16 ~0.84x the rows layout's time on the
 Used for float32 CPU targets (Llama-style like the embedded default; Qwen3's q/k norms are normed inside the
 RoPE op, Qwen2's q|k|v bias added by the q|k|v product) and for a CPU draft's block, as the weight plan
 decides (plan.py; LoadPolicy.fused=False opts out); a kernel that does not build is announced.
-The C++ is kernels/fused.cpp (torch.ops.hetero_sd_fused)."""
+The C++ is kernels/fused.cpp (torch.ops.hetero_sd_fused: the layer walk), with fused_norm_rope.h, fused_attend.h
+(and attend_q8.h) and fused_swiglu.h."""
 
 from __future__ import annotations
 
@@ -85,8 +86,7 @@ class FusedLayerOps:
         self.needs_mask = not attend  # the C++ attention masks each row itself; SDPA takes a mask
         # With the C++ attention the K cache is tiled by 16 positions (kernels/fused.cpp, scores_tiled): a
         # tile's scores are one chain of fmas per key, no transposing tree, and verify rows share each
-        # loaded tile. Only these ops write and read such a cache (SDPA's views need positions in rows). A
-        # benchmark may set it False on a fresh cache (benchmarks/verify_layout_ab.py: the layouts compared).
+        # loaded tile. Only these ops write and read such a cache (SDPA's views need positions in rows).
         self.tiled = attend
 
     def layers(self, walk, h, first_norm, cache, start: int, cos, sin, capture) -> tuple | None:

@@ -9,7 +9,7 @@ to R rows held in vector registers (AVX-512: R=8 rows x 48 columns = 24 zmm accu
 Every output is summed in the same order whatever M is (a row gives bitwise the same result in any
 block of 2 or more rows), in float32 chunks of 32 terms added in float64: more accurate than MKL's sgemm.
 One row (a decode step) goes to MKL's GEMV instead, which streams a single row ~1.5x faster than these
-tiles on one core; decode results are then exactly those of the previous code (torch's matmul).
+tiles on one core; a decode row's result is then exactly torch's matmul.
 The C++ is kernels/gemm.cpp (torch.ops.hetero_sd_gemm), built once by kernels.ops."""
 
 from __future__ import annotations

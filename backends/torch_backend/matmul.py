@@ -1,10 +1,10 @@
 """x @ W^T for W presented as an [in, out] matrix, in whichever memory layout multiplies fastest for its dtype:
 - float32: contiguous [in, out]. MKL multiplies a 16-row block by a pre-transposed weight ~4x faster
-  than F.linear does with the [out, in] layout (benchmarks/matmul_layout.py, AVX2 EPYC).
+  than F.linear does with the [out, in] layout (on an AVX2 EPYC).
 - bfloat16 on the CPU: the transposed view of a contiguous [out, in] weight, multiplied as (W @ x^T)^T.
   That operand order reaches oneDNN's AMX/AVX512-BF16 GEMM; x @ W_t and F.linear take slower paths
   (lm_head at 16 rows on a Sapphire Rapids core: 3.8 ms vs 7-12 ms; float32 38 ms). One row is padded to
-  two, since a single row falls to a GEMV that is no faster than float32 (benchmarks/README.md).
+  two, since a single row falls to a GEMV that is no faster than float32.
 A matrix may also be a multiplier chosen by the weight plan (plan.py): packed for the float32 GEMM
 (gemm.Packed) or GGUF blocks (quant.Quantized), called like `x @ W_t`."""
 

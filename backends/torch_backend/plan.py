@@ -132,14 +132,9 @@ class WeightPlan:
         """A draft's own matrix [in, out] as GGUF blocks quantized at load (gguf's quantizer; Q8_0, or Q4_1 where
         the policy says so), times int8 rows, else dense. Only for a draft whose head is already int8 rows x blocks
         (a draft only proposes; the target verifies every token). Q8_0 reads a quarter of float32's bytes (a block
-        of 4 on the default pair: 2.9 -> 1.9 ms, 2-core EPYC AVX2, another job running). Q4_1 reads less again, and
-        inside the loop the draft's weights come from memory after every verify: on the 2-core Zen 5 (27 Nov, 3
-        alternating rounds) the default draft read 9.4 MB instead of 12.5, its block in the loop took 0.29-0.31 ms
-        instead of 0.37-0.40 and a block-2 step 1.27-1.28 plain steps instead of 1.37-1.51, at the same held-out
-        position 1 on chat (57.4%, blocks of 2 with the lookup; code 74.8% vs 75.3%). But end to end HumanEval's tau
-        fell from 2.22-2.24 to 2.10 in every round (1.37-1.42x -> 1.35-1.38x; chat 0.99-1.15x -> 1.06-1.15x): the
-        coarser layers lose the long blocks what they save per block, so Q8_0 stays the default
-        (benchmarks/results/draft_q4_zen5/)."""
+        of 4 on the default pair: 2.9 -> 1.9 ms on a 2-core AVX2 EPYC). Q4_1 reads less again and makes each block
+        cheaper, but the coarser layers lose the long blocks what they save per block (HumanEval's tau 2.22 -> 2.10
+        on the 2-core Zen 5), so Q8_0 is the default."""
         if weight_t.shape[0] % 32 or weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             return self.dense(weight_t)
         from gguf import GGMLQuantizationType
@@ -188,9 +183,9 @@ def int8_kernel_missing(policy: LoadPolicy, flags: frozenset[str] | None) -> str
 
 def default_activations(gguf, device: str, policy: LoadPolicy, flags: frozenset[str]) -> tuple[str, str | None]:
     """The numerics of a target loaded with no dtype asked: (FLOAT32 or INT8, a note when the default could not
-    be had). A CPU target converted from a GGUF multiplies int8 rows by its blocks, as llama.cpp does: measured
-    end to end on a quiet 2-core AMD EPYC (AVX2), 1.33x float32's tokens/s plain and 1.27x with the shipped draft
-    (benchmarks/results/int8_e2e_avx2_quiet.json); its prompt rows 1.38x. Everything else stays float32."""
+    be had). A CPU target converted from a GGUF multiplies int8 rows by its blocks, as llama.cpp does (end to end
+    on a 2-core AVX2 EPYC, 1.33x float32's tokens/s plain, 1.27x with the shipped draft). Everything else stays
+    float32."""
     if device != "cpu" or gguf is None or not policy.quant:
         return FLOAT32, None
     why = int8_kernel_missing(policy, flags)
@@ -220,10 +215,8 @@ def plan_target(cfg, gguf, device: str, dtype: torch.dtype, activations: str, po
     # at 512 tokens) and half the memory per position. Only where the C++ attention reads the cache (it converts
     # as it loads); decode and verify read the same stored values, so they still agree bit for bit.
     # Where the 16-lane stages have VNNI, K as q8_0 blocks (llama.cpp's -ctk q8_0): the scores become int8 dot
-    # products and K reads 72 bytes a position and head instead of 128. Measured on the 2-core Zen 5 EPYC in one
-    # process (benchmarks/results/kq8_zen5/): decode 0.87-0.99x the time, verify-8 0.87-0.96x, verify-16 0.90-0.97x
-    # at 200-1,500 tokens; end to end with the shipped draft 1.07x tokens/s. Its shift from a float32 cache's
-    # predictions is of the float16 cache's size (top-1 2.7% vs 2.3% of positions, KL 0.0038 vs 0.0029 nats).
+    # products and K reads 72 bytes a position and head instead of 128 (end to end with the shipped draft 1.07x
+    # tokens/s on the 2-core Zen 5); its shift from a float32 cache's predictions is of the float16 cache's size.
     if plan.activations == INT8 and plan.attend and "f16c" in flags and policy.kv_f16:
         plan.kv_dtype = torch.float16
         plan.k_q8 = policy.k_q8 and plan.attend_wide and Q8_K_FLAGS <= flags

@@ -1,4 +1,4 @@
-"""Training prompts at scale (issue 13): ShareGPT human turns and Python standard-library code contexts.
+"""Training prompts at scale: ShareGPT human turns and Python standard-library code contexts.
 
 Every prompt has a stable key ("sharegpt:<conversation id>#<turn>", "stdlib:<file>::<function>#<n>"), so
 that stored answers name their prompt without storing its text: ShareGPT ships without a licence file,

@@ -34,9 +34,9 @@ from hetero_sd.backends.torch_backend.layers import Rope, apply_rope, rms_norm
 GROUP = 32  # blocks per context group: measured on the 2-core EPYC (see benchmarks/TRAINING.md)
 # On a GPU a group of 32 is a dozen tiny kernels: ~190 groups a layer for 32 packed sequences made a step
 # launch-bound. Larger groups waste masked scores (a group's keys span up to its last anchor) that a GPU
-# computes for less than the launches cost. On an H200, 4 layers, 64 sequences a step (train_step_profile.py,
-# results/training/gpu_lease_19th/step_profile.json): group 32 3.23 s a step, 256 0.58 s (16 GB), 1024 0.51 s
-# (27 GB). 256 is the default for its memory; --attention-group 1024 where the GPU holds it.
+# computes for less than the launches cost. On an H200, 4 layers, 64 sequences a step: group 32 3.23 s a step,
+# 256 0.58 s (16 GB), 1024 0.51 s (27 GB). 256 is the default for its memory; --attention-group 1024 where the
+# GPU holds it.
 GPU_GROUP = 256
 
 

@@ -48,7 +48,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
     # share of blocks trained at a random shorter length (2..B-1, its rows past the length out of attention and
     # loss): the block-size controller drafts blocks of 2..B, and a draft trained only at B reads position 1
-    # worse in a shorter block (fewer mask rows; benchmarks/TRAINING.md, 25 Nov 6th session)
+    # worse in a shorter block (fewer mask rows; benchmarks/TRAINING.md)
     short_blocks: float = 0.0
     held_out: int = 24  # rows never trained on (the smallest key hashes: see split_held_out)
     eval_rows: int = 24  # of those, the ones the periodic teacher-forced tau reads (the rest: evaluate.py's)
@@ -70,7 +70,7 @@ class TrainConfig:
     feature_numerics: str = "float32"  # the target's rows for features: float32, or int8 (the runtime's CPU default)
     k_q8: bool = True  # int8 features: the K cache as q8_0 blocks where the CPU has VNNI (HETERO_SD_KV, passed down)
     prefetch: bool | None = None  # the next step's batches drawn on a helper thread (None: on a GPU, not the CPU)
-    # a wall-clock budget (a lent GPU's lease): the cosine runs over these minutes instead of `steps`, and the
+    # a wall-clock budget (e.g. a rented GPU's time): the cosine runs over these minutes instead of `steps`, and the
     # run ends with an evaluation and a save when they are spent (or at `steps`, whichever comes first)
     minutes: float | None = None
     history: list = field(default_factory=list)
@@ -187,7 +187,7 @@ class FeatureCache:
 def split_held_out(rows: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(held out, the rest in a seeded order). Rows with a prompt key (the distillation shards) are held
     out by a hash of the key: the `count` smallest hashes. As the shards grow that threshold only falls,
-    so a row trained on in an earlier session never becomes a held-out row later. Rows of several stores
+    so a row trained on in an earlier run never becomes a held-out row later. Rows of several stores
     (a `store` number each) are held out store by store, `count` each: a store's held-out rows stay the same
     whatever other stores are trained beside it."""
     if len({r.get("store") for r in rows}) > 1:
@@ -470,7 +470,7 @@ def held_out_tau(model: TrainingDraft, rows, features, split: SplitForward | Non
 
 
 def check_packing(pack: int, accumulate: int) -> None:
-    """A forward packs at most a step's sequences (a GPU lease once trained 2 a step with --pack 32 --accumulate 2)."""
+    """A forward packs at most a step's sequences (--pack 32 with --accumulate 2 would train 2 a step, not 32)."""
     if pack > accumulate:
         raise ConfigError(f"--pack {pack} with --accumulate {accumulate}: a step has {accumulate} "
                           f"sequences, so no forward can pack {pack}",
@@ -545,9 +545,9 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
         return [make_batch(train_rows, count, rng, cfg.anchors, features, cfg.soft > 0, device, cfg.block_size,
                            cfg.short_blocks) for count in counts]
     # On a GPU the next step's batches (rows, anchors, their features' forward, the copies) are drawn on a helper
-    # thread while this step computes: the 19th session's lease spent ~0.24 s a step on the host beside a 0.51 s
-    # step. The random stream is drawn in the same order (step s+1's batches after step s's vocabulary), and a
-    # checkpoint keeps the stream as it was before the prefetch, so a resumed run draws the same batches.
+    # thread while this step computes (on an H200 the host's ~0.24 s a step sat beside a 0.51 s step). The random
+    # stream is drawn in the same order (step s+1's batches after step s's vocabulary), and a checkpoint keeps the
+    # stream as it was before the prefetch, so a resumed run draws the same batches.
     helper = ThreadPoolExecutor(1) if (device != "cpu" if cfg.prefetch is None else cfg.prefetch) else None
     pending = None  # the next step's batches, being drawn
     try:

@@ -1,6 +1,6 @@
-"""Issue 30's showcase and data-safety cases: drift is measured over real draft blocks (and never
-reported over none), a draft runs in the dtype it is stored in, `--json`/`--trace` never replace a
-symlink or a special file, the reference package lives apart from the venv's packages."""
+"""Drift is measured over real draft blocks (and never reported over none), a draft runs in the dtype it is
+stored in, `--json`/`--trace` never replace a symlink or a special file, the reference package lives apart
+from the venv's packages."""
 
 from __future__ import annotations
 
