@@ -20,14 +20,20 @@ from hetero_sd.runtime import load
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft):
+def test_bench_with_peers_floor_and_categories(tmp_path, tiny_llama, tiny_draft, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t12", "category": "a"}\n{"prompt": "t20 t7", "category": "b"}\n')
     out = tmp_path / "bench.json"
+    # the llama.cpp peers cannot run here (no GGUF for a tiny target): asked for by name, they fail the run,
+    # with the error in the peers table's headline; the measurements are still kept
     assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts), "--block-size", "fixed",
                  "--max-new-tokens", "10", "--peers", "transformers,llama.cpp,llama.cpp-dflash,zlab-reference",
-                 "--json", str(out)]) == 0
+                 "--json", str(out)]) == 2
+    shown = capsys.readouterr()
+    assert "ERROR: 2 peer(s) asked for did not run: llama.cpp:" in " ".join(shown.out.split())
+    assert "peer(s) asked for with --peers did not run" in shown.err
     res = json.loads(out.read_text())
+    assert [f.split(":")[0] for f in res["peers_failed"]] == ["llama.cpp", "llama.cpp-dflash"]
     rows = {p["name"]: p for p in res["peers"]}
     assert rows["transformers"]["tokens_per_s"] > 0 and rows["transformers"]["ratio_to_spec"] > 0
     assert rows["transformers"]["ratio_to_autoregressive"] > 0 and 0 <= rows["transformers"]["loop_share"] <= 1
@@ -86,6 +92,16 @@ def test_peer_names_and_datasets():
         peer_names("vllm")
     both = load_prompts(dataset="math,summarize", limit=2)
     assert [p.category for p in both] == ["math", "math", "summarize", "summarize"]
+
+
+def test_only_peers_asked_for_by_name_fail_the_run():
+    from hetero_sd.bench.peer_row import failures
+
+    rows = [{"name": "transformers", "skipped": False, "note": ""}, {"name": "mlx-lm", "skipped": True,
+                                                                      "note": "not installed: pip install mlx-lm"}]
+    assert failures(rows, "transformers,mlx-lm") == ["mlx-lm: not installed: pip install mlx-lm"]
+    assert failures(rows, "all") == [] and failures(rows, None) == []  # `all`: whatever is installed
+    assert failures(rows[:1], "transformers") == []
 
 
 def test_llama_cpp_dflash_is_compared_with_llama_cpp_autoregressive():

@@ -69,3 +69,12 @@ def synced(device: str, fn):
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     return out
+
+
+def failures(rows: list[dict], asked: str | None) -> list[str]:
+    """The peers named in --peers that did not run, as "name: why" (the run fails on them: a comparison
+    that silently lost a peer reads as complete). `--peers all` asks for whatever is installed, so there
+    a skipped peer is a row with its note, not a failure."""
+    if not asked or asked == "all":
+        return []
+    return [f"{r['name']}: {r['note']}" for r in rows if r["skipped"]]

@@ -155,7 +155,10 @@ def bench_command(args) -> int:
                   + (f"kept in {args.json}" if args.json and not saver.failed else
                      "shown above (pass --json to keep them)"))
         return interrupted_status()
-    return 2 if saver.failed else 0
+    unrun = [f for r in saver.runs for f in r.get("peers_failed") or []]
+    if unrun:  # the measurements are kept (shown, and in --json); the comparison is not whole
+        err.print(f"[red]error:[/] peer(s) asked for with --peers did not run: {escape('; '.join(unrun))}")
+    return 2 if saver.failed or unrun else 0
 
 
 def check_blocks(blocks, rt) -> None:
@@ -253,6 +256,7 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
 
     from hetero_sd.backends.base import weights_of
     from hetero_sd.bench.floor import floor_report
+    from hetero_sd.bench.peer_row import failures
     from hetero_sd.bench.peers import peer_names, run_peers
 
     names = peer_names(args.peers)
@@ -262,9 +266,10 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
         rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
             task, advance=1, description=f"peer {name}"), draft=args.peer_draft, ours=res["prompts"])
         res["peers"] = [r.to_dict(res["spec_tokens_per_s"], res["baseline_tokens_per_s"]) for r in rows]
+        res["peers_failed"] = failures(res["peers"], args.peers)  # asked for by name and not run: the run fails
         for r in rows:
             if r.skipped:
-                progress.console.print(f"[yellow]peer {r.name} skipped:[/] {r.note}")
+                progress.console.print(f"[{'red' if res['peers_failed'] else 'yellow'}]peer {r.name} skipped:[/] {r.note}")
     if args.floor or names:
         systems = {"hetero-sd autoregressive": res["baseline_tokens_per_s"], "hetero-sd DFlash": res["spec_tokens_per_s"]}
         systems |= {r["name"]: r["tokens_per_s"] for r in res.get("peers", []) if not r["skipped"]}
@@ -277,7 +282,10 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
 def print_peers(res: dict) -> None:
     """Every system's tok/s as a ratio to ours (theirs / ours), tau where reported, loop share; the
     notes (what each ran, what it reads, why it was skipped) below the table."""
-    t = Table(title="peers (same prompts, same run; ratios are theirs / ours)")
+    failed = res.get("peers_failed") or []
+    t = Table(title=(f"[bold red]ERROR: {len(failed)} peer(s) asked for did not run: "
+                     f"{escape('; '.join(failed))}[/]\n" if failed else "")
+              + "peers (same prompts, same run; ratios are theirs / ours)")
     for col in ("system", "tok/s", "tau", "vs DFlash", "vs AR", "loops", "of floor"):
         t.add_column(col, justify="right")
     fractions = res.get("floor", {}).get("fraction_of_floor", {})
