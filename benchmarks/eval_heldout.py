@@ -22,7 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hetero_sd.bench.runner import machine  # noqa: E402
 from hetero_sd.cli.policy import policy_from_env  # noqa: E402
+from hetero_sd.devices import capability  # noqa: E402
 from hetero_sd.errors import ConfigError  # noqa: E402
 from hetero_sd.loading.sources import resolve_target  # noqa: E402
 from hetero_sd.models.config import ArchConfig, read_json  # noqa: E402
@@ -84,6 +86,9 @@ def main() -> None:
     if features is not None and features.disk is not None:
         features.disk.flush()
     result["cpu_s"] = round(time.process_time() - cpu0, 1)
+    result["command"] = " ".join(["python"] + sys.argv)
+    result["machine"] = {**machine(), "capability": capability()}
+    result["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,15 +1,23 @@
-"""Regenerate benchmarks/RESULTS.md (and a PNG chart) from bench JSON files.
+"""Regenerate benchmarks/RESULTS.md from the JSON under benchmarks/results/ that it cites.
 
-    python benchmarks/results_md.py benchmarks/results/full_*.json --out benchmarks/RESULTS.md \
-        --chart benchmarks/results/full.png
+    python benchmarks/results_md.py                          # every section, from the files in SOURCES
+    python benchmarks/results_md.py RUN.json [RUN2.json] --out X.md [--chart X.png]   # bench JSON files only
 
-Every figure in RESULTS.md comes from the JSON given; nothing is typed in by hand."""
+Every figure in RESULTS.md comes from a JSON file named beside it; nothing is typed in by hand. Each section
+names its machine (from the JSON) and its date (the JSON's own date where it has one, else the day its
+content was first committed, else today for a file not committed yet)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import re
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def load(paths: list[str]) -> list[tuple[str, dict]]:
@@ -148,7 +156,7 @@ def verdict(runs: list[tuple[str, dict]]) -> list[str]:
     return lines + [""]
 
 
-GOALS = {("DFlash", "llama.cpp-dflash"): 1.5, ("DFlash", "zlab-reference"): 2.0}  # issue 15: same draft, same prompts
+GOALS = {("DFlash", "llama.cpp-dflash"): 1.5, ("DFlash", "zlab-reference"): 2.0}  # same draft, same prompts
 
 
 def goal(ours: str, peer: str, ratio: float) -> str:
@@ -180,19 +188,313 @@ def chart(runs: list[tuple[str, dict]], out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+# ---- the whole page: one section per kind of result, each from the files listed here ----
+
+SOURCES = {
+    "decode": ["decode/chat_r1.json", "decode/chat_r2.json", "decode/chat_r3.json",
+               "decode/humaneval_r1.json", "decode/humaneval_r2.json", "decode/humaneval_r3.json"],
+    "emulated": ["decode/ane_sim_chat.json"],
+    "field": ["field/humaneval.json"],
+    "costs": ["costs/costs_r1.json", "costs/costs_r2.json", "costs/costs_r3.json"],
+    "prefill": ["costs/prefill_rate.json"],
+    "agreement": ["agreement/llama_agreement.json"],
+    "heldout": ["heldout/block2.json", "heldout/block2_lookup.json", "heldout/block8.json", "heldout/block2_4layer.json"],
+    "controller": ["controller/replay.json"],
+    "serving": ["serving/server_load.json", "serving/prefix_cache_ttft.json"],
+    "training": ["training/b8g2-curve.json", "training/b8g2-block2-curve.json", "training/e1-curve.json",
+                 "training/e1-block2-curve.json", "training/e2-curve.json", "training/e2-block2-curve.json"],
+    "throughput": ["training/throughput_float32.json", "training/throughput_bf16.json"],
+}
+# The runs of the shipped draft's chain (docs/training.md), in order, by their curve files' prefix.
+TRAINING_RUNS = {"b8g2": "D (block 8, from the block-16 run)", "e1": "E1 (from D@20320)", "e2": "E2 (from E1@14000, both stores)"}
+SHIPPED = ("e2", 20700)
+# Draft names in eval_heldout.py's JSON that are folders of a run rather than a name a user loads.
+HELDOUT_LABELS = {"cpu-trained": "`cpu-trained` (shipped)", "ngram_floor": "1-3-gram table (no features)"}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def date_of(path: Path, doc: dict | None = None) -> str:
+    """The JSON's own date, else the day its content first entered git, else today (not committed yet)."""
+    for key in ("date_utc", "date", "measured"):
+        if doc and isinstance(doc.get(key), str) and re.match(r"\d{4}-\d\d-\d\d", doc[key]):
+            return doc[key][:10]
+    blob = subprocess.run(["git", "hash-object", str(path)], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    first = subprocess.run(["git", "log", "--all", "--reverse", "--format=%cs", f"--find-object={blob}"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.split()
+    return first[0] if first else datetime.date.today().isoformat()
+
+
+def machine_of(doc: dict) -> str:
+    """'CPU model (capability), N cores[, GPU]' from whichever shape of machine record the JSON has."""
+    if "runs" in doc:
+        doc = doc["runs"][0]
+    m = doc.get("machine") or {}
+    cpu = ((doc.get("models") or {}).get("cost_key") or {}).get("cpu") or (doc.get("costs") or {}).get("cpu")
+    if cpu is None and "lscpu" in doc:
+        flags = [f for f, on in doc["lscpu"]["flags"].items() if on and ("512" in f or "amx" in f)]
+        cpu = doc["lscpu"]["model"] + (f" ({', '.join(flags)})" if flags else " (AVX2)")
+        m = {"cores": doc["lscpu"]["cpus"], **m}
+    if cpu is None:
+        cpu = m.get("cpu") or doc.get("cpu") or "?"
+        cap = m.get("capability") or doc.get("torch_cpu_capability")
+        cpu += f" ({cap})" if cap else ""
+    cores = m.get("cores") or m.get("cpus")
+    gpu = m.get("cuda") or doc.get("device") if (m.get("cuda") or str(doc.get("device", "")).startswith("NVIDIA")) else None
+    return f"{cpu}, {cores} cores" + (f", {gpu}" if gpu else "") if cores else cpu
+
+
+def command_of(doc: dict, path: Path) -> str:
+    """The command that wrote the file, with its output path as the file is named now."""
+    cmd = doc.get("command") or (doc.get("runs") or [{}])[0].get("command") or ""
+    cmd = re.sub(r"(--json|--out)\s+\S+", lambda mt: f"{mt.group(1)} {rel(path)}", cmd)
+    return re.sub(r"^\S*/(hetero-sd|python)\b", r"\1", cmd).replace("/work/main/", "")
+
+
+def source_line(path: Path, doc: dict) -> str:
+    return f"Source: `{rel(path)}` ({machine_of(doc)}; {date_of(path, doc)})."
+
+
+def read(name: str) -> tuple[Path, dict]:
+    path = RESULTS / name
+    return path, json.loads(path.read_text())
+
+
+def decode_section() -> list[str]:
+    lines = ["## Decoding: the default pair, default flags", "",
+             "`hetero-sd bench --dataset SET --limit 6 --max-new-tokens 128 --temperature 0,1` (`bash benchmarks/decode.sh`): "
+             "SmolLM2-135M-Instruct with the shipped `cpu-trained` draft, both on the CPU, the block-size controller on; "
+             "plain and speculative decoding alternate prompt by prompt in one process. Lossless at T=0 means every "
+             "output token-identical to plain decoding's; at T=1 the outputs are samples (their distribution is the "
+             "target's, tested statistically in the test suite).", "",
+             "| file | machine | date | set | T | plain tok/s | hetero-sd tok/s | speedup | tau | lossless | target plan |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in SOURCES["decode"]:
+        path, doc = read(name)
+        for res in doc["runs"]:
+            s = res["settings"]
+            lossless = {True: "yes", False: "**no**", None: "(T>0)"}[res["lossless"]]
+            lines.append(f"| `{rel(path)}` | {machine_of(doc)} | {date_of(path, doc)} | {path.stem.split('_')[0]} | "
+                         f"{s['temperature']:g} | {res['baseline_tokens_per_s']:.0f} | {res['spec_tokens_per_s']:.0f} | "
+                         f"{res['speedup']:.2f}x | {res['tau']:.2f} | {lossless} | {res['models'].get('weight_plan', '-')} |")
+    lines += ["", "tau: tokens per verify step, the bonus token included. Absolute tok/s of a 2-core VM move by "
+              "10-30% from minute to minute; the speedup is measured within one run. These runs kept K in float16; "
+              "the default on a CPU with AVX512-VNNI now keeps K as q8_0 blocks (the step costs below).", ""]
+    for name in SOURCES["emulated"]:
+        path, doc = read(name)
+        res = doc.get("runs", [doc])[0]
+        lines += ["### The draft on `ane-sim` (emulated)", "",
+                  f"`{command_of(doc, path)}`: plain {res['baseline_tokens_per_s']:.0f} tok/s, hetero-sd "
+                  f"{res['spec_tokens_per_s']:.0f} tok/s ({res['speedup']:.2f}x), lossless: {res['lossless']}. `ane-sim` runs "
+                  "the Neural Engine graph with every op rounded to fp16 on the CPU: its acceptance and drift are "
+                  "meaningful, its speed says nothing about the Neural Engine.", ""]
+        if res.get("drift") and res["drift"].get("tau_ratio") is not None:
+            d = res["drift"]
+            lines += [f"Drift against the float32 draft on the same prompts: tau ratio {d['tau_ratio']:.3f}, cosine "
+                      f"{d['cosine']:.6f} (min {d['cosine_min']:.6f}), top-1 agreement {d['top1_agreement']:.1%}, "
+                      f"KL {d['kl']:.1e}.", ""]
+        lines += [source_line(path, doc), ""]
+    return lines
+
+
+def field_section() -> list[str]:
+    lines = ["## The field on our draft", "",
+             "llama.cpp's own DFlash (`llama.cpp-dflash`) and z-lab's reference loop (`zlab-reference`) run our draft "
+             "on the same prompts and token ids, with llama.cpp's autoregressive decoding beside them "
+             "(`bash benchmarks/field.sh`). These figures predate the int8 target and the current draft: re-run the "
+             "script to compare with today's build.", ""]
+    for name in SOURCES["field"]:
+        path, doc = read(name)
+        for run_name, res in load([str(path)]):
+            body = run_section(run_name, res)
+            lines += [f"### {rel(path)}", "", f"Command: `{command_of(doc, path)}`", ""] + body[4:]
+            lines += verdict([(run_name, res)])[2:]
+        lines += [source_line(path, doc), ""]
+    return lines
+
+
+def costs_section() -> list[str]:
+    lines = ["## Step costs against their floors", "",
+             "`hetero-sd bench --costs`: the default target's decode step, its verify of k tokens and the draft's block "
+             "of b, at 512 tokens of context, each in ms and in decode steps; the decode step's floor is the bytes it "
+             "must read at the bus speed measured in the same run.", "",
+             "| file | machine | date | bus GB/s | decode ms | of its floor | verify 2 / 4 / 8 / 16 (decode steps) | draft 2 / 4 / 8 (decode steps) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in SOURCES["costs"]:
+        path, doc = read(name)
+        c = doc["costs"]
+        d = c["decode_s"]
+        verify = " / ".join(f"{c['verify_s'][k] / d:.2f}" for k in ("2", "4", "8", "16") if k in c["verify_s"])
+        draft = " / ".join(f"{c['draft_s'][k] / d:.2f}" for k in ("2", "4", "8") if k in c["draft_s"])
+        lines.append(f"| `{rel(path)}` | {machine_of(doc)} | {date_of(path, doc)} | {c['bandwidth_gbs']:.1f} | {d * 1e3:.2f} | "
+                     f"{d / c['floors_s']['decode']:.2f}x | {verify} | {draft} |")
+    lines.append("")
+    for name in SOURCES["prefill"]:
+        path, doc = read(name)
+        pr, dec = doc["prefill_tokens_per_s"], doc["decode_step_ms_after_prompt"]
+        lines += ["### Prompt processing and the decode step against llama.cpp", "",
+                  f"`{command_of(doc, path)}` (llama.cpp: {doc['llama_cpp']}, same GGUF, same tokens, same threads):", "",
+                  "| | prompt tokens/s | decode step after the prompt (ms) |", "| --- | --- | --- |"]
+        for k in pr:
+            lines.append(f"| {'our ' + k + ' target' if k != 'llama.cpp' else 'llama.cpp'} | {pr[k]:.0f} | {dec[k]:.2f} |")
+        lines += ["", source_line(path, doc), ""]
+    return lines
+
+
+def agreement_section() -> list[str]:
+    lines = ["## Agreement with llama.cpp", "",
+             "Our int8 target against llama.cpp on the same GGUF, greedy, 128 tokens per prompt "
+             "(`python benchmarks/llama_agreement.py`): where the two first differ, and whether it is at a near-tie "
+             "(llama.cpp took our second choice).", "",
+             "| file | our target | prompts | identical | median first divergence (token) | divergences at our second choice | median top-2 margin there |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in SOURCES["agreement"]:
+        path, doc = read(name)
+        for variant, sm in doc["summary"].items():
+            firsts = sorted(sm["first_divergences"])
+            median = (firsts[(len(firsts) - 1) // 2] + firsts[len(firsts) // 2]) / 2
+            lines.append(f"| `{rel(path)}` | {variant} | {sm['prompts']} | {sm['exact_match']} | {median:g} | "
+                         f"{sm['divergences_at_our_second_choice']} of {sm['prompts']} | {sm['median_top2_margin_at_divergence']:.3f} |")
+        lines += ["", source_line(path, doc) + f" llama.cpp: {doc['llama_cpp']}, K cache {doc.get('llama_cpp_k_cache', 'f16')}.", ""]
+    return lines
+
+
+def heldout_section() -> list[str]:
+    lines = ["## Held-out acceptance of the shipped draft", "",
+             "Simulated greedy decoding on the 256 held-out self-distillation rows no training run used (154 chat, 102 "
+             "code; `python benchmarks/eval_heldout.py --draft cpu-trained --block-size B [--lookup 0.4]`): each row's "
+             "first 64 answer tokens, a block accepting its leading tokens equal to the target's answer. Position 1: "
+             "how often the first drafted token is right.", "",
+             "| file | draft | block | lookup | chat tau | chat position 1 | code tau | code position 1 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in SOURCES["heldout"]:
+        path, doc = read(name)
+        for key, v in doc.items():
+            if not (isinstance(v, dict) and "sharegpt" in v):
+                continue
+            if "4layer" in path.stem and key == "cpu-trained":
+                continue  # the shipped draft's row of that file repeats block2.json's
+            label = HELDOUT_LABELS.get(key, "4-layer draft trained on an H200 (not shipped)" if "4layer" in path.stem else f"`{key}`")
+            if key == "ngram_floor" and name != SOURCES["heldout"][0]:
+                continue
+            lines.append(f"| `{rel(path)}` | {label} | {doc['block_size']} | {doc.get('lookup') or '-'} | "
+                         f"{v['sharegpt']['tau']:.3f} | {v['sharegpt']['position_1_right']:.1%} | {v['stdlib']['tau']:.3f} | "
+                         f"{v['stdlib']['position_1_right']:.1%} |")
+    dates = ", ".join(f"`{n}` {date_of(RESULTS / n, json.loads((RESULTS / n).read_text()))}" for n in SOURCES["heldout"])
+    return lines + ["", "Acceptance depends on the draft and the target's numerics, not on the machine's speed. "
+                    f"Computed on 2-core AMD EPYC CPUs from the float32 target's features; dates: {dates}.", ""]
+
+
+def controller_section() -> list[str]:
+    lines = ["## The block-size controller replayed", "",
+             "`python benchmarks/controller_replay.py`: the draft's real acceptance recorded at every position of plain "
+             "greedy decoding, then replayed without the models at measured step costs: tokens per decode step's "
+             "time for plain decoding, fixed blocks, `auto` and the optimum (a dynamic program that knows every "
+             "acceptance). Modelled, not timed: it compares policies.", ""]
+    for name in SOURCES["controller"]:
+        path, doc = read(name)
+        sets = doc["sets"]
+        policies = list(next(iter(sets.values()))["tokens_per_decode_step"])
+        lines += ["| policy | " + " | ".join(sets) + " |", "| --- |" + " --- |" * len(sets)]
+        for pol in policies:
+            lines.append(f"| {pol} | " + " | ".join(f"{sets[s]['tokens_per_decode_step'][pol]:.3f}" for s in sets) + " |")
+        lines += ["", source_line(path, doc) + f" Draft: {doc['draft_format']}; an earlier step of the shipped draft's chain.", ""]
+    return lines
+
+
+def serving_section() -> list[str]:
+    lines = ["## Serving", ""]
+    path, doc = read(SOURCES["serving"][0])
+    lines += [f"`python benchmarks/server_load.py`: `hetero-sd serve` (default model and draft) under {doc['clients']} "
+              f"clients x {doc['requests_per_client']} streamed requests of up to {doc['max_tokens']} tokens at T=0: "
+              f"{doc['completed']}/{doc['requests']} complete, {doc['errors']} errors, latency p50 {doc['latency_p50_s']:.1f} s / "
+              f"p95 {doc['latency_p95_s']:.1f} s, time to first token p50 {doc['ttft_p50_s']:.1f} s / p95 {doc['ttft_p95_s']:.1f} s "
+              f"(most of it queueing), {doc['tokens_per_s']:.0f} tokens/s in all; exit status "
+              f"{doc.get('server_exit_status_after_sigterm')} after SIGTERM. Load average {doc['machine'].get('loadavg_1m', 0):.0f} "
+              "during the run (a shared machine): what the server does under load, not what the CPU does quietly.", "",
+              source_line(path, doc), ""]
+    path, doc = read(SOURCES["serving"][1])
+    t = doc["ttft_median_s"]
+    lines += [f"`python benchmarks/prefix_cache_ttft.py`: the fifth turn of a conversation ({doc['prompt_tokens']} prompt "
+              f"tokens, {doc['cached_tokens'][0]} reused), time to first token {t['without']:.2f} s without the prefix cache "
+              f"and {t['with']:.2f} s with it (medians of {len(doc['runs']['with'])}; {doc['speedup']:.1f}x).", "",
+              f"Source: `{rel(path)}` ({machine_of(doc) if 'machine' in doc else '2-core AMD EPYC'}; {date_of(path, doc)}).", ""]
+    return lines
+
+
+def training_section() -> list[str]:
+    lines = ["## Training the shipped draft", "",
+             "The learning curve of the chain that made `cpu-trained` (docs/training.md), by held-out simulated "
+             "decoding (as above, on each run's snapshot with the full head) at every evaluated step: blocks trained "
+             "and CPU-hours since the run's start.", "",
+             "| run | step | date | blocks trained | CPU-hours | block 2: chat / code position 1 | block 8: chat / code tau |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for run, label in TRAINING_RUNS.items():
+        eight = {p["step"]: p for p in json.loads((RESULTS / "training" / f"{run}-curve.json").read_text())["points"]}
+        two = {p["step"]: p for p in json.loads((RESULTS / "training" / f"{run}-block2-curve.json").read_text())["points"]}
+        for step in sorted(set(eight) | set(two)):
+            p = eight.get(step) or two[step]
+            b2 = two.get(step)
+            b8 = eight.get(step)
+            cell2 = f"{b2['simulated']['sharegpt']['position_1_right']:.1%} / {b2['simulated']['stdlib']['position_1_right']:.1%}" if b2 else "-"
+            cell8 = f"{b8['simulated']['sharegpt']['tau']:.3f} / {b8['simulated']['stdlib']['tau']:.3f}" if b8 else "-"
+            mark = "**" if (run, step) == SHIPPED else ""
+            lines.append(f"| {label} | {mark}{step}{mark} | {p.get('date_utc', '-')[:10]} | {p['blocks_trained']:,} | "
+                         f"{p['cpu_hours']:.2f} | {cell2} | {cell8} |")
+    floor = json.loads((RESULTS / "training" / "e2-curve.json").read_text())["points"][-1]["ngram_floor"]
+    lines += ["", f"The 1-3-gram table on the same rows: block 8 chat / code tau {floor['sharegpt']['tau']:.3f} / "
+              f"{floor['stdlib']['tau']:.3f}. Shipped: **E2 step {SHIPPED[1]}**. Run D trained on a 2-core AMD EPYC "
+              "with AVX2 only (float32), E1 and E2 on a 2-core AMD EPYC Zen 5 (bf16 autocast). Sources: "
+              + ", ".join(f"`benchmarks/results/{n}`" for n in SOURCES["training"]) + ".", "",
+              "### Training throughput", "",
+              "`python benchmarks/train_throughput.py`: draft blocks trained per CPU-second by the trainer's own step "
+              "loop (run D's recipe, block 8, features read from disk).", "",
+              "| file | machine | date | numerics | blocks per CPU-second |", "| --- | --- | --- | --- | --- |"]
+    for name in SOURCES["throughput"]:
+        path, doc = read(name)
+        numerics = "bf16 autocast" if "bf16" in path.stem else "float32"
+        lines.append(f"| `{rel(path)}` | {machine_of(doc)} | {date_of(path, doc)} | {numerics} | {doc['blocks_per_cpu_s']:.1f} |")
+    return lines + [""]
+
+
+def whole_page() -> list[str]:
+    lines = ["# Results", "",
+             "Generated by `python benchmarks/results_md.py` from the JSON under `benchmarks/results/` that each "
+             "section names; every figure is read from those files. Each names its machine and date. How to "
+             "re-run each: [README.md](README.md).", "",
+             "Contents: [decoding](#decoding-the-default-pair-default-flags), "
+             "[the field](#the-field-on-our-draft), [step costs](#step-costs-against-their-floors), "
+             "[agreement with llama.cpp](#agreement-with-llamacpp), "
+             "[held-out acceptance](#held-out-acceptance-of-the-shipped-draft), "
+             "[controller replay](#the-block-size-controller-replayed), [serving](#serving), "
+             "[training](#training-the-shipped-draft), [training throughput](#training-throughput).", ""]
+    for section in (decode_section, field_section, costs_section, agreement_section, heldout_section,
+                    controller_section, serving_section, training_section):
+        lines += section()
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+")
-    ap.add_argument("--out", default="benchmarks/RESULTS.md")
-    ap.add_argument("--chart", default=None)
+    ap.add_argument("json", nargs="*", help="bench JSON files (default: every source of the whole page)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--chart", default=None, help="with bench JSON files: a PNG of tokens/s and tau per run")
     args = ap.parse_args()
+    if not args.json:
+        if args.chart:
+            ap.error("--chart goes with bench JSON files; the whole page has no chart")
+        Path(args.out).write_text("\n".join(whole_page()))
+        print(f"wrote {args.out}")
+        return
     runs = load(args.json)
     lines = ["# Results", "", "Regenerated by `python benchmarks/results_md.py` from: " +
              ", ".join(f"`{p}`" for p in args.json) + ".", ""]
     lines += machine_section(runs)
     lines += ["Method: in each run our autoregressive baseline and DFlash alternate prompt by prompt; the peers",
-              "then run the same token ids in the same process. This 2-core machine is noisy (two runs of the",
-              "same set minutes apart can differ by ~30% in absolute tok/s), so compare the ratios within a run.", ""]
+              "then run the same token ids in the same process. Compare the ratios within a run: absolute tok/s",
+              "of a shared machine move from minute to minute.", ""]
     for name, res in runs:
         lines += run_section(name, res)
     lines += verdict(runs)
