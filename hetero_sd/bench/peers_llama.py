@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from hetero_sd.errors import HeteroSDError
 from hetero_sd.home import home
 from .peer_row import PeerRow
 
@@ -49,7 +49,7 @@ def llama_cpp_peer(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     if name == "llama.cpp-dflash":
         try:
             draft = converted_draft(runtime)
-        except (OSError, subprocess.CalledProcessError, ValueError) as e:
+        except (OSError, HeteroSDError, ValueError) as e:
             return PeerRow(name, skipped=True, note=f"could not convert our draft with llama.cpp's converter: {e}")
         block = runtime.block_size
         args += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block - 1),
@@ -145,7 +145,8 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> dict:
 
 
 def converted_draft(runtime) -> Path:
-    """Our draft folder in GGUF, converted once by llama.cpp's own converter (cached by content)."""
+    """Our draft folder in GGUF, converted once by llama.cpp's own converter through `export-draft --to gguf`
+    (z-lab's two files only: the reduced head and short blocks stay ours), cached by content."""
     folder = Path(runtime.info.get("draft") or "")
     if not (folder / "config.json").is_file():
         raise ValueError(f"needs a draft folder in the z-lab format, this run's draft is {runtime.info.get('draft')!r}")
@@ -155,14 +156,9 @@ def converted_draft(runtime) -> Path:
     out = build_dir() / "drafts" / f"{folder.name}-{digest.hexdigest()[:12]}-f32.gguf"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    converter = build_dir() / "src" / "convert_hf_to_gguf.py"
-    proc = subprocess.run([sys.executable, str(converter), str(folder), "--target-model-dir", runtime.info["target"],
-                           "--outtype", "f32", "--outfile", str(tmp)], capture_output=True, text=True)
-    if proc.returncode != 0:  # e.g. sentencepiece missing: its last lines say so
-        raise ValueError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-    tmp.rename(out)
+    from hetero_sd.loading.export_draft import export_draft
+
+    export_draft(folder, "gguf", out, target=runtime.info["target"], outtype="f32", say=None)
     return out
 
 
