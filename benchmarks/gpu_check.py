@@ -1,0 +1,368 @@
+"""The accelerator check: one call on a GPU machine measures the accelerator path and writes ONE JSON and one log.
+
+    bash benchmarks/gpu_check.sh                    # on a GPU machine: $OUT (or benchmarks/results)/gpu_check.json
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --shapes tiny --tokens 12 --out /tmp/check
+                                                    # anywhere: every row on a tiny shape (checks the script)
+
+Per shape (random weights of SmolLM2-135M's, Qwen3-4B's and, while the budget lasts, Qwen3-8B's shapes; bf16;
+context 512) and per step mode ("graphs": fixed shapes captured as CUDA graphs; "eager": the steps as they run
+without capture): decode / verify-k / draft-block costs against floors from the device's own copy bandwidth and
+matmul peak. Then tokens/s of autoregressive decoding and of DFlash with an oracle draft: a z-lab-shaped random
+draft runs every block (its cost is paid) and its proposals are replaced by the target's own greedy continuation,
+all right (full acceptance) or the first `--stretch` right (a set acceptance); blocks 8 and 16; the draft on the
+GPU and on the host CPU; sequential and overlap schedules. HF `generate` runs on the same weights and dtype. Each
+oracle row also gives what the measured step costs predict (tau / (verify + draft)) and the share of it reached.
+Rows past the time budget are skipped and listed; the JSON is rewritten after every row, so a cut-off call keeps
+what it measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from hetero_sd.backends.base import DraftBackend
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.backends.torch_backend import TorchTarget, load_draft
+from hetero_sd.decoding import costs as cost_probe
+from hetero_sd.models.config import ArchConfig, DraftConfig
+from hetero_sd.models.draft_init import draft_config, random_layer_ids
+from hetero_sd.runtime import Runtime
+
+SHAPES = {  # HF config keys of the public models, weights random
+    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False, draft_layers=2),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5, draft_layers=2),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, draft_layers=5),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, draft_layers=5),
+}
+BLOCK = 16  # the z-lab drafts' block size
+
+
+def policy(**kw) -> LoadPolicy:
+    """A load policy with the torch ops (the fused C++ ops are the CPU's own path, and a CPU draft here must
+    not spend the call building them); fields a policy lacks are left out."""
+    names = {f.name for f in fields(LoadPolicy)}
+    kw = {"fused": False, "quant": False, "draft_int8_head": False, "draft_int8_layers": False, **kw}
+    return LoadPolicy(**{k: v for k, v in kw.items() if k in names})
+
+
+class NullTokenizer:
+    """Random weights have no text: generations are compared as token ids."""
+
+    backend_tokenizer = None
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
+
+
+class OracleDraft(DraftBackend):
+    """A real draft whose every block runs (its cost is paid, its caches kept as in decoding) and whose proposals
+    are replaced by the true continuation: all right, or the first `right` per block (then the true token is the
+    second choice, so the overlap schedule's guesses can find it)."""
+
+    def __init__(self, inner, sequence: list[int], vocab: int, right: int | None = None):
+        self.inner, self.sequence, self.vocab, self.right = inner, sequence, vocab, right
+        self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    def add_context(self, features) -> None:
+        self.inner.add_context(features)
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None):
+        logits = self.inner.propose(anchor, position, size)
+        at = self.inner.context_length if position is None else position
+        n = logits.shape[0]
+        truth = (self.sequence[at + 1:at + 1 + n] + [0] * n)[:n]
+        right = n if self.right is None else self.right
+        host = torch.zeros(n, self.vocab)
+        for i, t in enumerate(truth):
+            if i < right:
+                host[i, t] = 20.0
+            else:
+                host[i, (t + 1) % self.vocab], host[i, t] = 20.0, 15.0
+        return host.to(logits.device)
+
+
+def hf_model(shape: dict, device: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    keys = {k: v for k, v in shape.items() if k not in ("model_type", "draft_layers")}
+    cfg = AutoConfig.for_model(shape["model_type"], max_position_embeddings=4096, **keys)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval(), cfg
+
+
+def draft_tensors(raw: dict, device: str, dtype: torch.dtype, std: float = 0.02) -> dict:
+    """A z-lab-shaped draft's tensors, random, made on the device (a 5-layer 4096-wide draft is 1B weights)."""
+    h, i, hd = raw["hidden_size"], raw["intermediate_size"], raw["head_dim"]
+    nq, nkv = raw["num_attention_heads"] * hd, raw["num_key_value_heads"] * hd
+    feats = len(raw["dflash_config"]["target_layer_ids"]) * h
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def mat(*s):
+        return (torch.randn(*s, generator=g, device=device) * std).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dtype)
+
+    t = {"fc.weight": mat(h, feats), "hidden_norm.weight": ones(h), "norm.weight": ones(h)}
+    for n in range(raw["num_hidden_layers"]):
+        p = f"layers.{n}."
+        t |= {p + "self_attn.q_proj.weight": mat(nq, h), p + "self_attn.k_proj.weight": mat(nkv, h),
+              p + "self_attn.v_proj.weight": mat(nkv, h), p + "self_attn.o_proj.weight": mat(h, nq),
+              p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+              p + "mlp.gate_proj.weight": mat(i, h), p + "mlp.up_proj.weight": mat(i, h),
+              p + "mlp.down_proj.weight": mat(h, i), p + "input_layernorm.weight": ones(h),
+              p + "post_attention_layernorm.weight": ones(h)}
+    return t
+
+
+class Check:
+    def __init__(self, args):
+        self.args, self.began = args, time.monotonic()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.out / "gpu_check.log", "a")
+        dev = args.device
+        self.result = {"device": cost_probe.accelerator_name(dev) or f"CPU: {cost_probe.cpu_name()}",
+                       "host_cpu": cost_probe.cpu_name(), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "python": platform.python_version(),
+                       "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                       "dtype": args.dtype, "context": args.context, "new_tokens": args.tokens,
+                       "floors": {}, "shapes": {}, "e2e": {}, "skipped": [], "errors": []}
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.began:7.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = round(time.monotonic() - self.began, 1)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.result, indent=1))
+
+    def time_left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.began)
+
+    def row(self, name: str, need_s: float, fn) -> None:
+        """Run one row if the budget allows it; an error is recorded and the check goes on."""
+        if self.time_left() < need_s:
+            self.result["skipped"].append(f"{name}: {self.time_left():.0f} s left, ~{need_s:.0f} s needed")
+            self.log(f"skip {name}")
+            return
+        try:
+            fn()
+        except Exception as e:  # a failed row must not lose the others
+            self.result["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:400]}")
+            self.log(f"error {name}: {type(e).__name__}: {e}")
+            if self.args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        self.save()
+
+    def floors(self) -> None:
+        dev, f = self.args.device, self.result["floors"]
+        f["copy_gb_s"] = round(cost_probe.bandwidth_gb_s(dev), 1)
+        for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            f[f"{name}_tflops"] = round(cost_probe.peak_gflops(dt, device=dev) / 1e3, 1)
+        self.log(f"floors {f}")
+
+
+def build(check: Check, shape_name: str, steps: str, draft_device: str):
+    """(HF model, our target, its draft on draft_device) on the same random weights."""
+    a, dev, dtype = check.args, check.args.device, getattr(torch, check.args.dtype)
+    shape = SHAPES[shape_name]
+    model, cfg = check.hf if check.hf_shape == shape_name else (None, None)
+    if model is None:
+        check.hf = check.hf_shape = None
+        torch.cuda.empty_cache() if dev.startswith("cuda") else None
+        model, cfg = hf_model(shape, dev, dtype)
+        check.hf, check.hf_shape = (model, cfg), shape_name
+    folder = Path(tempfile.mkdtemp(prefix=f"gpu-check-{shape_name}-"))
+    (folder / "config.json").write_text(cfg.to_json_string())
+    arch = ArchConfig.from_dict(json.loads(cfg.to_json_string()))
+    raw = draft_config(arch, num_layers=shape["draft_layers"], block_size=BLOCK, mask_token_id=arch.vocab_size - 1,
+                       layer_ids=random_layer_ids(arch.num_hidden_layers))
+    dcfg = DraftConfig.from_dict(raw)
+    tensors = dict(model.state_dict())
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    target = TorchTarget(arch, tensors, folder, dev, dtype, dcfg.target_layer_ids, a.context + 2 * a.tokens + 64,
+                         policy=policy(steps=steps), flags=frozenset())
+    d_dtype = dtype if draft_device == dev else getattr(torch, a.cpu_draft_dtype)
+    draft = load_draft(folder, dcfg, target, draft_device, d_dtype, raw["dflash_config"]["mask_token_id"],
+                       tensors=draft_tensors(raw, draft_device, d_dtype), int8_head=False,
+                       policy=policy(steps=steps if draft_device == dev else "eager"))
+    return model, target, draft
+
+
+def measure_shape(check: Check, shape_name: str) -> None:
+    a, res = check.args, check.result["shapes"].setdefault(shape_name, {})
+    for steps in a.modes:
+        _, target, draft = build(check, shape_name, steps, a.device)
+        c = cost_probe.measure_costs(target, draft, context=a.context, ks=(1, 2, 4, 8, 16), blocks=(2, 4, 8, 16),
+                                     repeats=a.repeats, machine=not res.get("floor_ms"))
+        row = {"decode_ms": c.decode_s * 1e3, "verify_ms": {k: v * 1e3 for k, v in c.verify_s.items()},
+               "draft_ms": {b: v * 1e3 for b, v in c.draft_s.items()}, "steps": target.steps,
+               "captured": target.steps == "graphs", "draft_steps": draft.steps, "mode": target.mode,
+               "verify_x_decode": {k: v / c.decode_s for k, v in c.verify_s.items()},
+               "draft_x_decode": {b: v / c.decode_s for b, v in c.draft_s.items()}}
+        if c.floors_s:
+            res |= {"floor_ms": c.floors_s["decode"] * 1e3,
+                    "floor_verify_ms": {k: v * 1e3 for k, v in c.floors_s["verify"].items()},
+                    "floor_draft_ms": {b: v * 1e3 for b, v in c.floors_s["draft"].items()},
+                    "floor_from": f"{c.device or c.cpu}: {c.bandwidth_gbs:.0f} GB/s, {c.peak_gflops:.0f} GFLOPS"}
+        if steps == a.modes[0]:
+            res |= row
+        else:
+            res[steps] = row
+        check.log(f"{shape_name} {steps}: decode {row['decode_ms']:.3f} ms, verify-16 "
+                  f"{row['verify_x_decode'][16]:.2f}x, draft-8 {row['draft_x_decode'].get(8, 0):.2f}x")
+        del target, draft
+    if "floor_ms" in res:
+        res["decode_x_floor"] = res["decode_ms"] / res["floor_ms"]
+    other = next((m for m in a.modes[1:] if m in res), None)
+    if other:
+        res[f"decode_speedup_vs_{other}"] = res[other]["decode_ms"] / res["decode_ms"]
+    check.save()
+
+
+def timed_generations(rt: Runtime, prompt: list[int], tokens: int, runs: int, **kw):
+    rt.generate(prompt, max_new_tokens=min(tokens, 24), stop_at_eos=False, **kw)  # warm-up: captures, allocator
+    outs, seconds = [], []
+    for _ in range(runs):
+        began = time.perf_counter()
+        outs.append(rt.generate(prompt, max_new_tokens=tokens, stop_at_eos=False, **kw))
+        seconds.append(time.perf_counter() - began)
+    return outs[-1], statistics.median(seconds)
+
+
+def end_to_end(check: Check, shape_name: str) -> None:
+    a = check.args
+    e2e, shape_costs = check.result["e2e"], check.result["shapes"].get(shape_name, {})
+    answers: dict = {}
+    for steps in a.modes:
+        for draft_device in a.draft_devices:
+            if draft_device != a.device and steps != a.modes[0]:
+                continue  # the CPU draft beside the GPU: the captured target only
+            model, target, draft = build(check, shape_name, steps, draft_device)
+            vocab = target.config.vocab_size
+            prompt = torch.randint(10, vocab - 1, (a.prompt,), generator=torch.Generator().manual_seed(3)).tolist()
+            place = f"{torch.device(a.device).type}/{torch.device(draft_device).type}"
+            key = f"{shape_name}/ar/{steps}"
+            if key not in e2e:
+                plain = Runtime(target, None, NullTokenizer(), [], {"notes": []}, lookup=0)
+                base, secs = timed_generations(plain, prompt, a.tokens, a.runs, speculative=False)
+                e2e[key] = {"tok_s": len(base.token_ids) / secs, "tau": 1.0}
+                answers[steps] = base.token_ids
+                check.log(f"{key}: {e2e[key]['tok_s']:.1f} tok/s")
+            sequence = prompt + answers[steps]
+            costs = shape_costs if steps == a.modes[0] else shape_costs.get(steps, {})
+            for block in a.blocks:
+                for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
+                    for schedule in a.schedules:
+                        name = f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}/{steps}"
+                        oracle = OracleDraft(draft, sequence, vocab, right)
+                        rt = Runtime(target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0)
+                        out, secs = timed_generations(rt, prompt, a.tokens, a.runs)
+                        s = out.stats
+                        row = {"tok_s": len(out.token_ids) / secs, "tau": s.tau,
+                               "identical_to_ar": out.token_ids == answers[steps], "ar_tok_s": e2e[key]["tok_s"]}
+                        row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
+                        v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
+                        if v and d and draft_device == a.device:
+                            row["predicted_tok_s"] = s.tau / ((v + d) / 1e3)
+                            row["of_prediction"] = row["tok_s"] / row["predicted_tok_s"]
+                        e2e[name] = row
+                        check.log(f"{name}: {row['tok_s']:.1f} tok/s, tau {s.tau:.2f}"
+                                  + (f", {row['of_prediction']:.2f} of the prediction" if "of_prediction" in row else ""))
+                        check.save()
+            del target, draft
+    model, _ = check.hf
+    ids = torch.tensor([prompt], device=a.device)
+    with torch.inference_mode():
+        gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)  # noqa: E731
+        gen(8)
+        sync = cost_probe.device_sync(a.device)
+        sync()
+        began = time.perf_counter()
+        out = gen(a.tokens)
+        sync()
+        secs = time.perf_counter() - began
+    theirs = out[0, ids.shape[1]:].tolist()
+    e2e[f"{shape_name}/hf-generate"] = {"tok_s": len(theirs) / secs, "tau": 1.0,
+                                        "same_tokens_as_ours": theirs == answers[a.modes[0]]}
+    check.log(f"{shape_name}/hf-generate: {e2e[f'{shape_name}/hf-generate']['tok_s']:.1f} tok/s")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", default="smollm2-135m,qwen3-4b,qwen3-8b", help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cpu-draft-dtype", default="bfloat16", help="the draft's dtype on the host CPU")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens of the end-to-end rows")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
+    p.add_argument("--runs", type=int, default=2, help="timed generations per row (median)")
+    p.add_argument("--repeats", type=int, default=5, help="cost probe: timed calls per cost (at least)")
+    p.add_argument("--blocks", default="8,16")
+    p.add_argument("--stretch", type=int, default=2, help="drafts right per block in the set-acceptance rows")
+    p.add_argument("--modes", default="graphs,eager", help="step modes, the first one the headline")
+    p.add_argument("--draft-devices", default=None, help="default: the device, then the host CPU")
+    p.add_argument("--schedules", default="sequential,overlap")
+    p.add_argument("--e2e-shapes", default="smollm2-135m,qwen3-4b", help="shapes that also run end to end")
+    p.add_argument("--budget-s", type=float, default=440.0, help="stop starting rows after this many seconds")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    a = p.parse_args(argv)
+    a.modes, a.blocks = a.modes.split(","), [int(b) for b in a.blocks.split(",")]
+    a.schedules = a.schedules.split(",")
+    a.draft_devices = (a.draft_devices or f"{a.device},cpu").split(",")
+    if a.device == "cpu":
+        a.draft_devices = ["cpu"]
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}: use some of {', '.join(SHAPES)}")
+    check = Check(a)
+    check.hf = check.hf_shape = None
+    check.log(f"{check.result['device']}, torch {torch.__version__}, host {check.result['host_cpu']}")
+    check.row("floors", 20, check.floors)
+    shapes = a.shapes.split(",")
+    e2e_shapes = [s for s in a.e2e_shapes.split(",") if s in shapes] or shapes[:1]
+    for name in shapes:  # costs first for every shape that fits, then the end-to-end rows
+        check.row(f"costs {name}", 40 if name != "qwen3-8b" else 90, lambda name=name: measure_shape(check, name))
+        if name in e2e_shapes:
+            check.row(f"e2e {name}", 60, lambda name=name: end_to_end(check, name))
+    check.save()
+    check.log(f"wrote {check.out / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""benchmarks/gpu_check.py, run here on a tiny shape on the CPU: a GPU call has no second chance, so every row
+it writes is exercised in CI, and its oracle rows double as a lossless check (float32: token-identical to
+autoregressive decoding, with fixed-shape and eager steps, both schedules)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_writes_every_row(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert gpu_check.main(["--device", "cpu", "--dtype", "float32", "--cpu-draft-dtype", "float32", "--shapes", "tiny",
+                           "--e2e-shapes", "tiny", "--tokens", "10", "--prompt", "12", "--context", "32",
+                           "--runs", "1", "--repeats", "1", "--blocks", "4", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["errors"] == [] and result["skipped"] == []
+    tiny = result["shapes"]["tiny"]
+    assert {"decode_ms", "floor_ms", "verify_ms", "draft_ms", "captured"} <= set(tiny)
+    assert set(tiny["verify_ms"]) == {"1", "2", "4", "8", "16"} and set(tiny["draft_ms"]) == {"2", "4", "8", "16"}
+    assert tiny["steps"] == "fixed" and not tiny["captured"] and tiny["eager"]["steps"] == "eager"
+    rows = result["e2e"]
+    assert rows["tiny/ar/graphs"]["tok_s"] > 0 and rows["tiny/hf-generate"]["same_tokens_as_ours"]
+    oracle = {k: v for k, v in rows.items() if "/oracle-" in k}
+    assert len(oracle) == 8  # full and set acceptance x sequential and overlap x fixed and eager steps
+    assert all(v["identical_to_ar"] for v in oracle.values())
+    assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/graphs"]["tau"] > 3.0
+    assert rows["tiny/oracle-right2-b4/cpu/cpu/overlap/eager"]["tau"] <= 3.0
