@@ -87,3 +87,52 @@ def test_training_on_cuda_learns(tmp_path, tiny_llama):
 def test_the_bf16_default_of_a_cuda_target_is_announced(tiny_llama, tiny_draft):
     rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), target_device="cuda", block_size="fixed")
     assert any("cuda GEMMs are not batch-invariant" in n for n in rt.info["notes"]), rt.info["notes"]
+
+
+# ---- captured steps (CUDA graphs): float32, so that token identity is the promise ----
+
+def graphs_runtime(target, draft=None, steps="graphs", **kw):
+    from hetero_sd.backends.policy import LoadPolicy
+
+    return hetero_sd.load(str(target), None if draft is None else str(draft), target_device="cuda", dtype=F32,
+                          policy=LoadPolicy(steps=steps), **kw)
+
+
+def test_captured_target_decodes_the_eager_tokens(tiny_llama):
+    eager, graphs = graphs_runtime(tiny_llama, steps="eager"), graphs_runtime(tiny_llama)
+    assert graphs.target.steps == "graphs" and "CUDA graphs" in graphs.target.mode
+    for prompt in PROMPTS:
+        want = eager.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids
+        assert graphs.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == want
+    assert graphs.target.fixed.runner.captures >= 2  # the decode bucket and the prefill's
+
+
+@pytest.mark.parametrize("draft_device,schedule", [("cuda", "sequential"), ("cuda", "overlap"), ("cpu", "overlap")])
+def test_captured_steps_are_lossless(tiny_llama, tiny_draft, cuda_baseline, draft_device, schedule):
+    rt = graphs_runtime(tiny_llama, tiny_draft, draft_device=draft_device, block_size="fixed", schedule=schedule)
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.num_drafts > 0 and out.stats.fallback is None, out.stats.notes
+        assert out.token_ids == base
+    if draft_device == "cuda":
+        assert rt.draft.steps == "graphs" and rt.draft.fixed.runner.captures >= 2
+
+
+def test_captured_logits_equal_eager_on_cuda(tiny_llama, tiny_draft):
+    outs = []
+    for steps in ("eager", "graphs"):
+        t = graphs_runtime(tiny_llama, tiny_draft, steps=steps).target
+        t.forward(PROMPTS[1])
+        outs.append([t.forward(list(range(10, 10 + k))) for k in (1, 3, 8)])
+        t.crop(len(PROMPTS[1]))
+    for e, g in zip(*outs):
+        torch.testing.assert_close(g.logits, e.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g.features, e.features, atol=1e-4, rtol=1e-4)
+
+
+def test_costs_name_the_gpu(tiny_llama, tiny_draft):
+    from hetero_sd.decoding.costs import measure_costs
+
+    rt = graphs_runtime(tiny_llama, tiny_draft)
+    costs = measure_costs(rt.target, rt.draft, context=64, ks=(1, 4), blocks=(2, 4), repeats=2, machine=True)
+    assert costs.device == torch.cuda.get_device_name() and costs.floors_s["decode"] > 0

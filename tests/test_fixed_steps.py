@@ -132,3 +132,12 @@ def test_the_comparison_catches_padding_that_leaks(tiny_llama, eager_tokens, mon
     monkeypatch.setattr(steps.TargetSteps, "step", leaky)
     rt = load(tiny_llama, policy=FIXED)
     assert [rt.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids for p in PROMPTS] != eager_tokens
+
+
+def test_the_cli_variable_picks_the_step_mode():
+    from hetero_sd.cli.policy import policy_from_env
+    from hetero_sd.errors import ConfigError
+
+    assert policy_from_env({}).steps == "auto" and policy_from_env({"HETERO_SD_STEPS": "eager"}).steps == "eager"
+    with pytest.raises(ConfigError, match="HETERO_SD_STEPS"):
+        policy_from_env({"HETERO_SD_STEPS": "turbo"})
