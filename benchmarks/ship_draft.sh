@@ -51,7 +51,7 @@ for path in sorted(Path(sys.argv[1]).glob("*_*.json")):
                                        for s in d["schedules"]))
 EOF
 if [ "${INSTALL:-0}" = 1 ]; then
-  cp "$VOCAB"/config.json "$VOCAB"/model.safetensors "$VOCAB"/training.json "$VOCAB"/draft_vocab.json "$SHIPPED"/
+  cp "$VOCAB"/config.json "$VOCAB"/model.safetensors "$VOCAB"/hetero_sd.json "$VOCAB"/training.json "$VOCAB"/draft_vocab.json "$SHIPPED"/
   chmod 644 "$SHIPPED"/*
   "$PY" - "$SHIPPED/draft_vocab.json" "$RUN" <<'EOF'
 import json, sys
