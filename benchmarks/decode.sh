@@ -3,7 +3,7 @@
 # LIMIT prompts (6) x TOKENS new tokens (128), plain and speculative decoding alternating prompt by prompt in one
 # process, RUNS rounds (3); then the draft on ane-sim (the emulated Neural Engine) on chat, and
 # benchmarks/RESULTS.md regenerated from every file it cites. Run it with nothing else on the machine: the
-# speedups are ratios within a run, but a busy neighbour still moves them. ~10 minutes a round on 2 cores.
+# speedups are ratios within a run, but a busy neighbour still moves them.
 #   bash benchmarks/decode.sh          (BIN: the venv's bin folder, .venv/bin)
 set -euo pipefail
 cd "$(dirname "$0")/.."
