@@ -41,6 +41,7 @@ def real(name: str, value) -> float:
 
 
 MIN_TEMPERATURE = 1e-4  # below it logits / T overflow float32 (and the samples are greedy's anyway)
+MAX_TEMPERATURE = 2.0  # OpenAI's range (0 to 2); above it a sample is close to a uniform draw over the vocabulary
 MAX_SEED = 2**64 - 1
 
 
@@ -52,6 +53,9 @@ def temperature_value(value) -> float:
     if 0 < t < MIN_TEMPERATURE:
         raise InvalidArgumentError(f"temperature {t:g} is below {MIN_TEMPERATURE:g}",
                                    f"use 0 for greedy decoding (what so small a temperature means) or >= {MIN_TEMPERATURE:g}")
+    if t > MAX_TEMPERATURE:
+        raise InvalidArgumentError(f"temperature {t:g} is above {MAX_TEMPERATURE:g}",
+                                   f"use a temperature from 0 to {MAX_TEMPERATURE:g} (OpenAI's range), e.g. 0.7")
     return t
 
 
@@ -126,11 +130,50 @@ def load_args(*, target, draft, target_device, draft_device, schedule, max_conte
     """load()'s names and sizes, before anything is resolved (threads and block size are checked where used)."""
     name("target", target)
     name("draft", draft, optional=True)
+    if draft is not None:
+        random_draft(draft)
     name("target_device", target_device)
     name("draft_device", draft_device, optional=True)
     name("schedule", schedule)
     if max_context is not None:
         integer("max_context", max_context, 1, "pass a context length >= 1 (or leave it unset: the model's own)")
+
+
+MAX_RANDOM_DRAFT_LAYERS = 64  # a DFlash draft has a few layers; more than a large target's own is no draft
+
+
+def random_draft(draft: str) -> None:
+    """draft="random:N": N from 1 to MAX_RANDOM_DRAFT_LAYERS, refused before a layer is built."""
+    if not draft.startswith("random:"):
+        return
+    count = draft.partition(":")[2]
+    if not count.isdigit() or not 1 <= int(count) <= MAX_RANDOM_DRAFT_LAYERS:
+        raise InvalidArgumentError(f"draft {draft!r}: a random draft takes 1 to {MAX_RANDOM_DRAFT_LAYERS} layers",
+                                   f"use 'random' or 'random:N' with N from 1 to {MAX_RANDOM_DRAFT_LAYERS}, e.g. random:2")
+
+
+def flag(name: str, value, fix: str) -> bool:
+    """A bool, nothing that merely looks true ('no' is a non-empty string)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r} ({type(value).__name__})", fix)
+    return value
+
+
+def optional(name: str, value, kind: type, fix: str):
+    """None or an instance of kind (e.g. generate's timeline=: a Timeline, not its name)."""
+    if value is not None and not isinstance(value, kind):
+        raise InvalidArgumentError(f"{name} must be a {kind.__name__} or None, got {value!r} ({type(value).__name__})", fix)
+    return value
+
+
+def chat_mode(value, prompt) -> bool:
+    """chat=True or False; False (raw text, no template) with a list of messages is refused: only the
+    chat template turns messages into text."""
+    flag("chat", value, "pass chat=True (the chat template) or chat=False (the prompt as raw text)")
+    if not value and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        raise InvalidArgumentError("chat=False sends the prompt as raw text, but it is a list of messages, which only "
+                                   "the chat template renders", "pass chat=True with messages, or the text itself with chat=False")
+    return value
 
 
 def limit(value) -> int | None:
@@ -180,10 +223,16 @@ def prompt_list(value) -> list:
     return list(value)
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (the server's schema: the first three)
+
+
 def message(m: dict, n: int) -> dict:
     if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
         raise InvalidArgumentError(f"message {n} needs a str 'role' and a str 'content', got {m!r}",
                                    "pass messages like {'role': 'user', 'content': 'Hi'}")
+    if m["role"] not in ROLES:
+        raise InvalidArgumentError(f"message {n} has the role {m['role']!r}, which no chat template knows",
+                                   f"use one of {', '.join(ROLES)}")
     text(m["content"], f"message {n}")
     return m
 
@@ -239,6 +288,8 @@ def block_size(value, draft_size: int):
 
 def output_file(path, flag: str) -> Path:
     """A file we will write later: checked now, so that no work is lost to a bad path at the end."""
+    if not str(path).strip():
+        raise OutputPathError(f"{flag} is empty", f"give {flag} a file name, e.g. {flag} out.json (or leave it out)")
     p = Path(path).expanduser()
     if p.is_symlink() and not p.exists():
         raise OutputPathError(f"{flag} {p} is a symlink to {os.readlink(p)}, which does not exist",

@@ -46,6 +46,29 @@ def bench_args(args) -> None:
 
         items("--peers", args.peers, "transformers,llama.cpp")
         peer_names(args.peers)  # an unknown name is refused now, not after the whole run
+    if args.prompts is not None and args.dataset is not None:
+        raise InvalidArgumentError(f"--prompts {args.prompts} and --dataset {args.dataset} both name the prompts",
+                                   "give one of them (several built-in sets: --dataset chat,math)")
+    if args.costs:
+        costs_only(args)
+
+
+# bench's flags that only a bench run reads: with --costs (the cost probe alone) they would be ignored
+RUN_FLAGS = (("blocks", "--blocks"), ("prompts", "--prompts"), ("dataset", "--dataset"), ("limit", "--limit"),
+             ("peers", "--peers"), ("peer_draft", "--peer-draft"), ("trace", "--trace"), ("floor", "--floor"))
+
+
+def costs_only(args) -> None:
+    given = [flag for name, flag in RUN_FLAGS if getattr(args, name) not in (None, False)]
+    if args.schedule.strip() != "sequential":
+        given.append("--schedule")
+    if args.temperature != [0.0]:
+        given.append("--temperature")
+    if args.placements is not None and len(items("--placements", args.placements, "cpu/cpu")) > 1:
+        given.append("--placements (more than one)")
+    if given:
+        raise InvalidArgumentError(f"--costs runs the cost probe alone, so {', '.join(given)} would be ignored",
+                                   f"drop {', '.join(g.split(' ')[0] for g in given)}, or drop --costs for a bench run")
 
 
 def window(value: int) -> int:
@@ -98,10 +121,18 @@ def train_args(args) -> None:
         validate.threads(args.threads)
     except InvalidArgumentError as e:
         raise InvalidArgumentError("--" + e.problem, e.fix.replace("pass", "pass --threads", 1)) from None
+    train_device(args)
     if args.out:
         out_folder(args.out)
     if args.data:
         data_file(args.data)
+
+
+def train_device(args) -> None:
+    """--device (and --autocast) by the trainer's own rule, before any target loads or data is generated."""
+    from hetero_sd.train.trainer import train_device as check
+
+    check(args.device, args.autocast)
 
 
 def out_folder(path: str) -> None:

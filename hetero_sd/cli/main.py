@@ -16,7 +16,7 @@ from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT
 from hetero_sd.decoding.timeline import chrome_trace
 from hetero_sd.loading.templates import chat_options, parse_kwargs
 
-from .checks import bench_args, train_args, train_vocab, window
+from .checks import bench_args, out_folder, train_args, train_vocab, window
 from .policy import policy_from_env
 from .common import STATE, Terminated, block_arg, err, interrupted_status, load_runtime, on_sigterm, write_json
 
@@ -174,11 +174,31 @@ def check_args(args) -> None:
         raise InvalidArgumentError(flagged(e.problem), flagged(e.fix)) from None
     if args.command in ("generate", "chat"):
         one_request_schedule(args.schedule)
+    if args.command == "generate":
+        conflicts(args)
     for flag in ("json", "trace"):
-        if getattr(args, flag, None):
+        if getattr(args, flag, None) is not None:  # an empty name is refused, not taken as "no file"
             validate.output_file(getattr(args, flag), f"--{flag}")
     if getattr(args, "save_dir", None) and not Path(args.save_dir).expanduser().is_dir():
         raise OutputPathError(f"--save-dir {args.save_dir} is not a folder", "create it first, or pass another folder")
+
+
+DRAFT_FLAGS = (("draft_device", "--draft-device"), ("draft_dtype", "--draft-dtype"), ("block_size", "--block-size"),
+               ("verify_gate", "--verify-gate"))
+
+
+def conflicts(args) -> None:
+    """generate's flags that would be ignored by the others given: refused by name, never dropped."""
+    if args.autoregressive:
+        for name, flag in DRAFT_FLAGS:
+            if getattr(args, name) is not None:
+                raise InvalidArgumentError(f"--autoregressive decodes without the draft, so {flag} has nothing to set",
+                                           f"drop {flag}, or drop --autoregressive to decode with the draft")
+    if args.no_chat:
+        for name, flag in (("system_prompt", "--system-prompt"), ("chat_template_kwargs", "--chat-template-kwargs")):
+            if getattr(args, name) is not None:
+                raise InvalidArgumentError(f"--no-chat sends the prompt as raw text, without the chat template that "
+                                           f"{flag} feeds", f"drop {flag}, or drop --no-chat")
 
 
 def one_request_schedule(schedule: str) -> None:
@@ -314,6 +334,7 @@ def cmd_serve(args) -> int:
 
 def cmd_draft_vocab(args) -> None:
     from hetero_sd.train.reduce_vocab import command
+    out_folder(args.out)  # a file or an unwritable place is refused before the draft is read
     command(args)
 
 

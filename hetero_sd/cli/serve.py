@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
+import socket
 
 from hetero_sd import validate
 from hetero_sd.errors import InvalidArgumentError
+from hetero_sd.server.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES
+from hetero_sd.server.run import KEEP_ALIVE_S
 
 from .common import err, load_runtime
 
@@ -30,6 +34,16 @@ def add_parser(sub, add_model_args, add_sampling_args) -> None:
                    help="prefill every prompt in full (default: a new turn reuses the caches of the conversation so far)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds SIGTERM/Ctrl-C lets requests in flight finish before cancelling them")
+    s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body (default {MAX_BODY_BYTES:,}); a larger one is answered 413 and its "
+                        "connection closed without reading the rest")
+    s.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help=f"seconds a connection has to send a request's headers, from its opening or its previous "
+                        f"response (default {HEADER_TIMEOUT_S:g}); then it is closed (408 if a request had begun)")
+    s.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help=f"seconds a request body may pause between bytes (default {BODY_TIMEOUT_S:g}); then 408")
+    s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_S,
+                   help=f"seconds an idle connection is kept open between requests (default {KEEP_ALIVE_S:g})")
 
 
 def check(args) -> None:
@@ -45,6 +59,33 @@ def check(args) -> None:
     validate.integer("--queue", args.queue, 0, "pass 0 or more queued requests")
     if not args.shutdown_timeout >= 0:
         raise InvalidArgumentError(f"--shutdown-timeout {args.shutdown_timeout} is negative", "pass seconds >= 0")
+    validate.integer("--max-body-bytes", args.max_body_bytes, 1, f"pass a size in bytes, e.g. {MAX_BODY_BYTES}")
+    for flag in ("--header-timeout", "--body-timeout", "--keep-alive-timeout"):
+        seconds = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise InvalidArgumentError(f"{flag} must be a finite number of seconds > 0, got {seconds}",
+                                       f"pass e.g. {flag} 30")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise InvalidArgumentError("--served-model-name is empty", "give the model id clients send, or leave it out "
+                                                                   "(the target's name)")
+    host(args.host, args.port)
+
+
+def host(name: str, port: int) -> None:
+    """The address resolves to one this machine can bind, before the model loads."""
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidArgumentError(f"--host {name!r} is not an address or a host name here ({e})",
+                                   "pass an address such as 127.0.0.1 (loopback), ::1 or 0.0.0.0 (every interface)"
+                                   ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(address[:1] + (0,) + address[2:])  # port 0: is the address this machine's, whatever the port
+        except OSError as e:
+            raise InvalidArgumentError(f"--host {name!r} cannot be bound here ({e.strerror or e})",
+                                       "pass an address of this machine: 127.0.0.1, ::1 or 0.0.0.0") from None
 
 
 def cmd_serve(args) -> int:
@@ -58,12 +99,14 @@ def cmd_serve(args) -> int:
     settings = Settings(args.served_model_name or model_name(rt), api_key, args.workers, args.queue,
                         args.max_new_tokens, dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                   seed=args.seed, rule=args.rule),
-                        prefix_cache=not args.no_prefix_cache)
+                        prefix_cache=not args.no_prefix_cache, max_body_bytes=args.max_body_bytes,
+                        body_timeout=args.body_timeout)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "
               f"({'API key required' if api_key else 'no API key'})[/]")
-    status = serve(rt, settings, host=args.host, port=args.port, shutdown_s=args.shutdown_timeout)
+    status = serve(rt, settings, host=args.host, port=args.port, shutdown_s=args.shutdown_timeout,
+                   header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout)
     if status:
         err.print("[yellow]terminated[/]: requests in flight finished or were cancelled; the server stopped cleanly")
     return status

@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from hetero_sd import validate
 from hetero_sd.backends.base import DraftBackend, TargetBackend
@@ -107,6 +108,10 @@ def load_tokenizer(folder: Path):
                                  "copy the tokenizer files from the model's repository into that folder")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
+    except StrictDataclassError as e:  # transformers checks config.json as it reads it (e.g. heads that split hidden_size)
+        why = str(e.__cause__ or e).splitlines()[0]
+        raise ConfigError(f"{folder / 'config.json'} is inconsistent: {why}",
+                          "fix config.json to match the weights (or re-download the model)") from None
     except (OSError, ValueError, TypeError, ImportError) as e:
         raise ModelNotFoundError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''})",

@@ -16,7 +16,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import errors
+from . import errors, limits
 from .engine import Engine, Job, Outcome
 from .errors import ApiError
 from .metrics import Metrics
@@ -35,6 +35,8 @@ class Settings:
     max_tokens: int = 256  # when a request names none (and it fits the context)
     defaults: dict | None = None  # temperature, top_p, top_k, seed, rule (the generate flags)
     prefix_cache: bool = True  # a new turn reuses the caches of the conversation so far (Runtime.prefix_cache)
+    max_body_bytes: int = limits.MAX_BODY_BYTES  # a larger request body is answered 413, unread (limits.py)
+    body_timeout: float = limits.BODY_TIMEOUT_S  # seconds a request body may pause before a 408
 
 
 def model_name(runtime) -> str:
@@ -58,6 +60,7 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
             runtime.close()
 
     app = FastAPI(title="hetero-sd", lifespan=lifespan)
+    app.add_middleware(limits.BodyLimit, max_bytes=settings.max_body_bytes, idle_s=settings.body_timeout)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     errors.install(app)
 

@@ -15,7 +15,8 @@ from hetero_sd.errors import HeteroSDError, InvalidArgumentError, PromptTooLongE
 log = logging.getLogger("hetero_sd.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable"}
 
 
 FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
@@ -82,7 +83,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return respond(exc.status_code, str(exc.detail), None, None)
+        code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)  # limits.py
+        return respond(exc.status_code, str(exc.detail), None, code, exc.headers)
 
     @app.exception_handler(HeteroSDError)
     async def hetero(request: Request, exc: HeteroSDError):

@@ -10,6 +10,9 @@ import signal
 import uvicorn
 
 from .app import Settings, create_app
+from .limits import HEADER_TIMEOUT_S, timed_protocol
+
+KEEP_ALIVE_S = 5.0  # uvicorn's default
 
 
 class Server(uvicorn.Server):
@@ -40,10 +43,14 @@ class Server(uvicorn.Server):
 
 
 def config(runtime, settings: Settings, host: str = "127.0.0.1", port: int = 8000, shutdown_s: float = 10.0,
-           log_level: str = "info") -> uvicorn.Config:
+           log_level: str = "info", header_timeout: float = HEADER_TIMEOUT_S,
+           keep_alive_timeout: float = KEEP_ALIVE_S) -> uvicorn.Config:
+    """uvicorn on h11 (its request-header size limit, 16 KiB, answers 400 beyond it) with the header timeout
+    of limits.py, and its keep-alive timeout: an idle connection is closed after keep_alive_timeout seconds."""
     app = create_app(runtime, settings, close_runtime=True)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_s,
-                          access_log=log_level == "debug")
+                          access_log=log_level == "debug", http=timed_protocol(header_timeout),
+                          timeout_keep_alive=keep_alive_timeout)
 
 
 def serve(runtime, settings: Settings, **kwargs) -> int:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+StopText = Annotated[str, Field(min_length=1)]  # an empty stop string would end every reply before it began
 
 
 class Strict(BaseModel):
@@ -38,7 +39,7 @@ class Sampling(Strict):
     """Fields shared by both endpoints."""
 
     model: str | None = None
-    temperature: Annotated[Finite, Field(ge=0)] | None = None
+    temperature: Annotated[Finite, Field(ge=0, le=2)] | None = None  # OpenAI's range
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
     # 0 or -1 (vLLM's spelling): no top-k filter
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -47,12 +48,19 @@ class Sampling(Strict):
     presence_penalty: Annotated[Finite, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Finite, Field(ge=-2, le=2)] | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1  # one choice per request (the runtime decodes at batch 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens whatever the model says (benchmarks)
+
+    @field_validator("stream_options")
+    @classmethod
+    def only_streamed(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):  # OpenAI's rule and words
+            raise ValueError("The 'stream_options' parameter is only allowed when 'stream' is enabled")
+        return value
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
