@@ -183,7 +183,8 @@ class Runtime:
     def encode(self, prompt: Prompt, chat: bool = True, options: ChatOptions | None = None) -> tuple[list[int], list[str]]:
         """Token ids for a prompt (checked: types, UTF-8, ids in the vocabulary, not empty); notes say
         what was done that the caller might not expect. options: the chat template's (else the runtime's)."""
-        ids, notes = self.tokenize(validate.prompt(prompt), chat, options or self.chat_options)
+        prompt = validate.prompt(prompt)
+        ids, notes = self.tokenize(prompt, validate.chat_mode(chat, prompt), options or self.chat_options)
         return validate.token_ids(ids, self.target.config.vocab_size), notes
 
     def tokenize(self, prompt: Prompt, chat: bool, options: ChatOptions) -> tuple[list[int], list[str]]:
@@ -228,6 +229,7 @@ class Runtime:
                           seed=seed, rule=rule, speculative=speculative, min_p=min_p,
                           repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty)
+        validate.optional("timeline", timeline, Timeline, "pass a Timeline (hetero_sd.decoding.timeline) or leave it out")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty)
         if schedule == "pipeline":  # asked of one generation: refused, not run sequentially in silence
@@ -460,7 +462,7 @@ def check_schedule(schedule: str) -> str:
 def stops_at_eos(prompt: Prompt, asked: bool | None) -> bool:
     """Text and chat prompts stop at EOS; raw token ids run to the length limit unless asked."""
     if asked is not None:
-        return asked
+        return validate.flag("stop_at_eos", asked, "pass stop_at_eos=True or False (or None: text stops, token ids run on)")
     return not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int))
 
 
@@ -518,7 +520,11 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
 
 def corpus_table(draft, notes: list[str]) -> CorpusTable | None:
     """The context lookup's corpus table beside the draft's weights (hetero-sd draft-lookup), if it has one."""
-    table = CorpusTable.beside(draft)
+    try:
+        table = CorpusTable.beside(draft)
+    except (OSError, ValueError, KeyError, EOFError) as e:  # numpy's refusals: object arrays, a damaged zip, a missing array
+        raise ConfigError(f"the draft's {CORPUS_FILE} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})",
+                          f"rebuild it with hetero-sd draft-lookup, or delete {CORPUS_FILE} from the draft's folder") from None
     if table is None:
         return None
     notes.append(f"context lookup: with the draft's corpus table ({len(table):,} contexts of its training answers, "
