@@ -110,6 +110,24 @@ def test_fixed_steps_sample_as_eager(tiny_llama, tiny_draft):
     assert outs[0] == outs[1]
 
 
+def test_steps_cross_a_tier_and_a_grown_cache(tiny_llama, tiny_draft):
+    """A context that passes 256 slots mid-generation: the cache grows (new memory), the attended tier doubles,
+    the steps are set up again, and the tokens stay the eager ones."""
+    long_prompt = [(7 * i) % 60 + 4 for i in range(250)]
+    want = load(tiny_llama).generate(long_prompt, max_new_tokens=30, stop_at_eos=False).token_ids
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    out = rt.generate(long_prompt, max_new_tokens=30, stop_at_eos=False)
+    assert out.token_ids == want and out.stats.num_drafts > 0
+    assert rt.target.cache.k[0].shape[2] >= 512
+
+
+def test_tiers_are_powers_of_two_within_the_allocation():
+    from hetero_sd.backends.torch_backend.steps import tier
+
+    assert [tier(n, 4096) for n in (1, 256, 257, 600, 4000)] == [256, 256, 512, 1024, 4096]
+    assert tier(300, 320) == 320
+
+
 def test_fork_has_its_own_fixed_cache(tiny_llama, eager_tokens):
     rt = load(tiny_llama, policy=FIXED)
     twin = rt.target.fork()
@@ -122,11 +140,11 @@ def test_the_comparison_catches_padding_that_leaks(tiny_llama, eager_tokens, mon
     the output."""
     from hetero_sd.backends.torch_backend import steps
 
-    def leaky(self, rows):
+    def leaky(self, rows, t):
         ids, positions = self.inputs[0:1, :rows], self.inputs[1, :rows]
-        mask = torch.ones(rows, self.capacity, dtype=torch.bool)
-        normed, captured = self.model(ids, self.cache, positions, self.cos[positions], self.sin[positions], mask,
-                                      self.capture, ops=self.ops)
+        mask = torch.ones(rows, t, dtype=torch.bool)
+        normed, captured = self.model(ids, self.cache, positions, self.slots.cos[positions],
+                                      self.slots.sin[positions], mask, self.capture, ops=self.ops)
         return self.model.logits(normed[0]), self.gather(captured)
 
     monkeypatch.setattr(steps.TargetSteps, "step", leaky)

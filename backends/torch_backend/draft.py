@@ -203,7 +203,6 @@ class TorchDraft(CacheOwner, DraftBackend):
     def fixed_steps(self) -> DraftSteps | None:
         if self.steps == "eager":
             return None
-        self.cache.reserve(self.max_context + max(BUCKETS[-1], self.block_size) + BUCKETS[-1])
         return DraftSteps(self.model, self.cache, self.rope, self.feature_size, self.block_size, self.steps)
 
     @property

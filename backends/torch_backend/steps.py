@@ -1,8 +1,9 @@
 """Steps of fixed shape: the target's decode and verify steps and a draft's block and context catch-up as
-functions of device tensors alone (token ids, RoPE positions, cache slots), over K/V caches allocated once to the
-context limit, with row counts rounded up to a few buckets. No value of a step is read back by the host inside
-it, so on CUDA each (kind, bucket) is captured once as a CUDA graph and replayed: one launch where an eager
-batch-1 step launches a few hundred small kernels and waits on the host for each (launch-bound on a GPU).
+functions of device tensors alone (token ids, RoPE positions, cache slots), over K/V caches that grow by
+doubling, with row counts rounded up to a few buckets and the attended slots up to a power of two (a tier). No
+value of a step is read back by the host inside it, so on CUDA each (kind, rows, tier) is captured once as a CUDA
+graph and replayed: one launch where an eager batch-1 step launches a few hundred small kernels, each waiting on
+the host (launch-bound on a GPU).
 
 Why a padded bucket is lossless: padding rows sit after the real rows; the target's causal mask keeps them out
 of every real row's keys, and what they write to the cache lies at positions past the real rows', which the next
@@ -10,9 +11,9 @@ real tokens overwrite before any row can see them (a key at position p is visibl
 A draft's block attends to the context and its own rows only (slots up to its last row), so a catch-up's padding
 slots are either overwritten by the block or stay out of its mask.
 
-Attention runs over the whole allocated cache with a mask instead of over the used prefix: the same keys with
-weight zero elsewhere, so the outputs equal the eager step's to float rounding (tests hold tokens identical
-and logits within 1e-5 in float32)."""
+Attention runs over the tier's slots with a mask instead of over the used prefix: the same keys, weight zero on
+the others, so the outputs equal the eager step's to float rounding (tests hold tokens identical and logits
+within 1e-5 in float32)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ class Runner:
         self.pool = None
         self.captures = 0
 
+    def reset(self) -> None:
+        """Forget the captured steps (their inputs moved: a grown cache)."""
+        self.graphs = {}
+
     def run(self, key, fn: Callable[[], tuple]) -> tuple:
         if self.mode != "graphs":
             return fn()
@@ -93,18 +98,43 @@ class Runner:
 
 class FixedOps(TorchOps):
     """TorchOps whose K/V go to the cache at the slots of a positions tensor (index_copy_) and whose attention
-    reads the whole allocated cache under the step's mask: shapes that do not change with the position."""
+    reads the cache's first slots under the step's mask (as many as the mask has columns: the step's tier)."""
 
     def attention(self, layer, x, cache: KVCache, i: int, positions, cos, sin, mask):
         q, k, v = layer.project_qkv(x, cos, sin)
         cache.k[i].index_copy_(2, positions, k)
         cache.v[i].index_copy_(2, positions, v)
-        return layer.attention(q, cache.k[i], cache.v[i], mask)
+        tier = mask.shape[-1]
+        return layer.attention(q, cache.k[i][:, :, :tier], cache.v[i][:, :, :tier], mask)
 
 
-def tables(rope: Rope, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos/sin for every slot of the cache, made once (a step indexes them by its positions)."""
-    return rope.at(0, capacity)
+def tier(need: int, allocated: int) -> int:
+    """How many cache slots a step attends over: a power of two that holds `need` (256 at least), within the
+    allocation. Attention reads every slot it is given, so a step on a short context must not pay for the whole
+    context limit; one capture per (rows, tier) keeps shapes fixed."""
+    return min(allocated, max(256, 1 << (need - 1).bit_length()))
+
+
+class Slots:
+    """A cache's slots as the fixed steps see them: its allocation (grown by doubling, as the eager steps grow
+    it), the RoPE tables over it and the slot numbers. A grown cache is new memory, so the captured steps that
+    read the old one are dropped and captured again."""
+
+    def __init__(self, cache: KVCache, rope: Rope, runner: Runner):
+        self.cache, self.rope, self.runner = cache, rope, runner
+        self.cos = self.sin = self.keys = None
+        self.memory = None
+
+    def prepare(self, need: int, rope_need: int) -> int:
+        """Room for slots [0, need) and RoPE positions [0, rope_need); returns the step's tier."""
+        self.cache.reserve(need)
+        allocated = self.cache.k[0].shape[2]
+        if self.memory != self.cache.k[0].data_ptr() or self.cos.shape[0] < rope_need:
+            self.cos, self.sin = self.rope.at(0, max(allocated, rope_need))  # views the graphs keep alive
+            self.keys = torch.arange(allocated, device=self.cache.device)
+            self.memory = self.cache.k[0].data_ptr()
+            self.runner.reset()
+        return tier(need, allocated)
 
 
 class TargetSteps:
@@ -113,35 +143,29 @@ class TargetSteps:
 
     def __init__(self, model, cache: KVCache, rope: Rope, capture: frozenset, gather, mode: str):
         self.model, self.cache, self.capture, self.gather = model, cache, capture, gather
-        self.capacity = cache.k[0].shape[2]
-        self.cos, self.sin = tables(rope, self.capacity)
-        device = cache.device
-        self.inputs = torch.zeros(2, BUCKETS[-1], dtype=torch.long, device=device)
-        self.keys = torch.arange(self.capacity, device=device)
+        self.inputs = torch.zeros(2, BUCKETS[-1], dtype=torch.long, device=cache.device)
         self.ops = FixedOps(model.config.rms_norm_eps)
-        self.runner = Runner(mode, device)
-
-    def fits(self, start: int, count: int) -> bool:
-        rows = bucket(count)
-        return rows is not None and start + rows <= self.capacity
+        self.runner = Runner(mode, cache.device)
+        self.slots = Slots(cache, rope, self.runner)
 
     def __call__(self, token_ids: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(float32 logits [count, vocab], context features [count, L*H] or None): copies, safe to keep past
-        the next step."""
+        """(float32 logits [count, vocab], context features [count, L*H] or None) of up to the largest bucket's
+        rows at positions start..: copies, safe to keep past the next step."""
         count = len(token_ids)
         rows = bucket(count)
+        t = self.slots.prepare(start + rows, start + rows)
         host = torch.empty(2, rows, dtype=torch.long)
         host[0, :count] = torch.as_tensor(list(token_ids))
         host[0, count:] = host[0, count - 1]  # padding: any valid id
         host[1] = torch.arange(start, start + rows)
         self.inputs[:, :rows].copy_(host)
-        logits, features = self.runner.run(rows, lambda: self.step(rows))
+        logits, features = self.runner.run((rows, t), lambda: self.step(rows, t))
         return logits[:count].clone(), None if features is None else features[:count].clone()
 
-    def step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, positions = self.inputs[0:1, :rows], self.inputs[1, :rows]
-        mask = self.keys[None, :] <= positions[:, None]  # causal over the slots: [rows, capacity]
-        normed, captured = self.model(ids, self.cache, positions, self.cos[positions], self.sin[positions], mask,
+    def step(self, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, positions, s = self.inputs[0:1, :rows], self.inputs[1, :rows], self.slots
+        mask = s.keys[None, :t] <= positions[:, None]  # causal over the tier's slots: [rows, t]
+        normed, captured = self.model(ids, self.cache, positions, s.cos[positions], s.sin[positions], mask,
                                       self.capture, ops=self.ops)
         return self.model.logits(normed[0]), self.gather(captured)
 
@@ -153,39 +177,36 @@ class DraftSteps:
 
     def __init__(self, model, cache: KVCache, rope: Rope, feature_size: int, block_size: int, mode: str):
         self.model, self.cache = model, cache
-        self.capacity = cache.k[0].shape[2]
-        self.cos, self.sin = tables(rope, self.capacity)
-        device, largest = cache.device, max(BUCKETS[-1], block_size)
-        self.inputs = torch.zeros(3, largest, dtype=torch.long, device=device)
-        self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=device)
-        self.keys = torch.arange(self.capacity, device=device)
-        self.runner = Runner(mode, device)
+        self.inputs = torch.zeros(3, max(BUCKETS[-1], block_size), dtype=torch.long, device=cache.device)
+        self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=cache.device)
+        self.runner = Runner(mode, cache.device)
+        self.slots = Slots(cache, rope, self.runner)
 
     def block(self, anchor: int, mask_token: int, position: int, start: int, rows: int,
-              size: int) -> torch.Tensor:
+              size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The final-normed hidden states [size-1, H] of the block [anchor, mask, ...] of `rows` rows and their
         float32 logits through the draft's head, its anchor at RoPE `position` and in cache slot `start` (copies)."""
+        t = self.slots.prepare(start + rows, position + rows)
         host = torch.empty(3, rows, dtype=torch.long)
         host[0] = mask_token
         host[0, 0] = anchor
         host[1] = torch.arange(position, position + rows)
         host[2] = torch.arange(start, start + rows)
         self.inputs[:, :rows].copy_(host)
-        hidden, logits = self.runner.run(("block", rows, size), lambda: self.block_step(rows, size))
+        hidden, logits = self.runner.run(("block", rows, size, t), lambda: self.block_step(rows, size, t))
         return hidden.clone(), logits.clone()
 
-    def block_step(self, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m, eps = self.model, self.model.arch.rms_norm_eps
+    def block_step(self, rows: int, size: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, eps, s = self.model, self.model.arch.rms_norm_eps, self.slots
         ids, positions, slots = self.inputs[0:1, :rows], self.inputs[1, :rows], self.inputs[2, :rows]
-        cos, sin = self.cos[positions], self.sin[positions]
-        mask = (self.keys <= slots[-1])[None, :].expand(rows, -1)  # the context and the block, non-causal
+        mask = (s.keys[:t] <= slots[-1])[None, :].expand(rows, -1)  # the context and the block, non-causal
 
         def write(i, k, v):
             self.cache.k[i].index_copy_(2, slots, k)
             self.cache.v[i].index_copy_(2, slots, v)
-            return self.cache.k[i], self.cache.v[i]
+            return self.cache.k[i][:, :, :t], self.cache.v[i][:, :, :t]
 
-        h = m(m.embed_block(ids), cos, sin, write, [mask] * len(m.layers))
+        h = m(m.embed_block(ids), s.cos[positions], s.sin[positions], write, [mask] * len(m.layers))
         hidden = rms_norm(h[0, 1:size], m.norm, eps)
         return hidden, m.head(hidden)
 
@@ -193,6 +214,7 @@ class DraftSteps:
         """Context features [T, L*H] (T up to the largest bucket) to every layer's K/V at slots start.."""
         count = features.shape[0]
         rows = bucket(count)
+        self.slots.prepare(start + rows, start + rows)
         self.features[:count].copy_(features.to(self.features.dtype))
         self.inputs[2, :rows].copy_(torch.arange(start, start + rows))
         self.runner.run(("context", rows), lambda: self.context_step(rows))
@@ -200,7 +222,7 @@ class DraftSteps:
     def context_step(self, rows: int) -> tuple:
         m, slots = self.model, self.inputs[2, :rows]
         fused = m.fuse(self.features[:rows])
-        cos, sin = self.cos[slots], self.sin[slots]
+        cos, sin = self.slots.cos[slots], self.slots.sin[slots]
         for i in range(len(m.layers)):
             k, v = m.context_kv(fused, cos, sin, i)
             self.cache.k[i].index_copy_(2, slots, k)

@@ -116,8 +116,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,
                              self.plan.k_q8)
-        # decode and verify at fixed shapes (captured as CUDA graphs on CUDA): the cache then holds the whole
-        # context from the start (and a bucket's padding past it), so the steps' tensors never move
+        # decode and verify at fixed shapes (captured as CUDA graphs on CUDA): steps.py
         self.steps, note = steps_mode(policy.steps, device, isinstance(self.model.ops, TorchOps))
         if note:
             self.notes.append(note)
@@ -134,7 +133,6 @@ class TorchTarget(CacheOwner, TargetBackend):
     def fixed_steps(self) -> TargetSteps | None:
         if self.steps == "eager":
             return None
-        self.cache.reserve(self.max_context + BUCKETS[-1])
         return TargetSteps(self.model, self.cache, self.rope, self.capture, self.gather, self.steps)
 
     def matrices(self) -> list:
@@ -179,7 +177,7 @@ class TorchTarget(CacheOwner, TargetBackend):
             raise PromptTooLongError(
                 f"{start + count} positions exceed the target's context of {self.max_context}",
                 "shorten the prompt or lower max_new_tokens")
-        if self.fixed is not None and self.fixed.fits(start, count):
+        if self.fixed is not None and count <= BUCKETS[-1]:
             logits, captured = self.fixed(token_ids, start)
             self.cache.length = start + count
             return TargetOutput(logits[-1:] if last_only else logits, captured if features else None)
