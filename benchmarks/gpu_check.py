@@ -1,6 +1,6 @@
 """The accelerator check: one call on a GPU machine measures the accelerator path and writes ONE JSON and one log.
 
-    bash benchmarks/gpu_check.sh                    # on a GPU machine: $OUT (or benchmarks/results)/gpu_check.json
+    bash benchmarks/gpu_check.sh                    # on a GPU machine: $OUT (or benchmarks/results/gpu)/gpu_check.json
     .venv/bin/python benchmarks/gpu_check.py --device cpu --shapes tiny --tokens 12 --out /tmp/check
                                                     # anywhere: every row on a tiny shape (checks the script)
 
@@ -339,7 +339,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", default="sequential,overlap")
     p.add_argument("--e2e-shapes", default="smollm2-135m,qwen3-4b", help="shapes that also run end to end")
     p.add_argument("--budget-s", type=float, default=440.0, help="stop starting rows after this many seconds")
-    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu",
+                   help="folder of gpu_check.json and gpu_check.log (RESULTS.md cites results/gpu/gpu_check.json)")
     a = p.parse_args(argv)
     a.modes, a.blocks = a.modes.split(","), [int(b) for b in a.blocks.split(",")]
     a.schedules = a.schedules.split(",")

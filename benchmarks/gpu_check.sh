@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The accelerator check in one call on a GPU machine (nothing to install there but this tree: the machine's
-# python3 has torch and transformers). Writes $OUT/gpu_check.json and $OUT/gpu_check.log; see gpu_check.py.
+# python3 has torch and transformers). Writes $OUT (or benchmarks/results/gpu)/gpu_check.json and .log: gpu_check.py.
 #   device call:  bash benchmarks/gpu_check.sh            (timeout_s 560; the check stops starting rows at 440 s)
 #   then, if time is left, the CUDA tests:  bash benchmarks/gpu_check.sh tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 # the package as an install sees it: backends/, ane_compiler/ and tui/ inside the hetero_sd namespace
 for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
