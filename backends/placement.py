@@ -78,7 +78,7 @@ def target_backend(folder: Path, cfg: ArchConfig, device: str, dtype, layer_ids,
     a kernel that did not build here). The torch backend makes its weight plan from `policy`."""
     if device == "mlx":
         from . import mlx_backend
-        return mlx_backend.load_target(folder, cfg, layer_ids, max_context)
+        return mlx_backend.load_target(folder, cfg, layer_ids, max_context, steps=policy.steps)
     activations = "float32"
     if dtype is None and device == "cpu":  # a GGUF target: int8 rows x its blocks, llama.cpp's numerics
         dtype, why_not = torch_backend.default_target_numerics(folder, device, policy)
@@ -109,7 +109,7 @@ def draft_backend(dfolder: Path | None, dcfg: DraftConfig, target: TargetBackend
     if device == "mlx":
         dcfg.format.require_plain("the MLX backend")
         from . import mlx_backend
-        return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors)
+        return mlx_backend.load_draft(dfolder, dcfg, target, mask, tensors, steps=policy.steps)
     if device not in NEURAL_ENGINE:
         draft = torch_backend.load_draft(dfolder, dcfg, target, device, resolve_dtype(dtype, device), mask, tensors,
                                          policy=policy)

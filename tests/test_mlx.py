@@ -49,3 +49,41 @@ def test_every_placement_is_lossless(reference, tiny_llama, tiny_draft, placemen
     for schedule in ("sequential", "overlap"):
         out = rt.generate([5, 9, 12], max_new_tokens=24, schedule=schedule, block="fixed")
         assert out.token_ids == base.token_ids and out.stats.num_drafts > 0
+
+
+# ---- steps under mx.compile (fixed shapes): the same tokens and logits as the eager MLX steps ----
+
+def mlx_runtime(tiny_llama, tiny_draft, steps, **kw):
+    from hetero_sd.backends.policy import LoadPolicy
+
+    return load(str(tiny_llama), str(tiny_draft), target_device="mlx", draft_device="mlx",
+                policy=LoadPolicy(steps=steps), **kw)
+
+
+def test_compiled_mlx_steps_match_eager(tiny_llama, tiny_draft):
+    eager, compiled = (mlx_runtime(tiny_llama, tiny_draft, s) for s in ("eager", "fixed"))
+    assert eager.target.steps == "eager" and compiled.target.steps == compiled.draft.steps == "compiled"
+    outs = []
+    for rt in (eager, compiled):
+        first = rt.target.forward(PROMPT)
+        verify = rt.target.forward([3, 4, 5])  # padded to a bucket of 4
+        rt.target.crop(len(PROMPT) + 1)
+        after = rt.target.forward([8])
+        rt.draft.add_context(first.features)
+        rt.draft.add_context(verify.features[:1])
+        outs.append((first, verify, after, rt.draft.propose(11), rt.draft.propose(11, position=9, size=4)))
+    for e, c in zip(*outs):
+        if hasattr(e, "logits"):
+            assert torch.allclose(e.logits, c.logits, atol=1e-4) and torch.allclose(e.features, c.features, atol=1e-4)
+        else:
+            assert torch.allclose(e, c, atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlap"])
+def test_compiled_mlx_steps_are_lossless(reference, tiny_llama, tiny_draft, schedule):
+    rt = mlx_runtime(tiny_llama, tiny_draft, "fixed")
+    long_prompt = [(7 * i) % 60 + 4 for i in range(250)]  # the cache grows and the tier doubles mid-generation
+    for prompt in ([5, 9, 12], long_prompt):
+        base = reference.generate(prompt, max_new_tokens=24, speculative=False, stop_at_eos=False)
+        out = rt.generate(prompt, max_new_tokens=24, schedule=schedule, block="fixed", stop_at_eos=False)
+        assert out.token_ids == base.token_ids and out.stats.num_drafts > 0

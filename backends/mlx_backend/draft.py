@@ -12,7 +12,10 @@ from hetero_sd.models.config import DraftConfig
 from hetero_sd.models.weights import take
 
 from hetero_sd.backends.base import DraftBackend
+from hetero_sd.backends.torch_backend.steps import BUCKETS
+
 from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
+from .steps import DraftSteps, steps_mode
 from .target import to_torch
 
 
@@ -20,7 +23,7 @@ class MLXDraft(DraftBackend):
     device = "mlx"
 
     def __init__(self, cfg: DraftConfig, tensors: dict, where, embed, lm_head, feature_size: int,
-                 mask_token_id: int, dtype=mx.float32, vocab_ids: torch.Tensor | None = None):
+                 mask_token_id: int, dtype=mx.float32, vocab_ids: torch.Tensor | None = None, steps: str = "auto"):
         """embed [vocab, hidden] and lm_head [hidden, vocab]: the target's, as torch or MLX arrays;
         vocab_ids: a reduced head's target ids (hetero_sd/models/draft_vocab.py): only those columns are kept."""
         arch = self.arch = cfg.arch
@@ -39,6 +42,8 @@ class MLXDraft(DraftBackend):
         self.rope = Rope(arch, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, dtype)
         self.last_hidden: torch.Tensor | None = None
+        self.steps, _ = steps_mode(steps)  # the block and the catch-up under mx.compile (steps.py)
+        self.compiled = DraftSteps(self) if self.steps == "compiled" else None
 
     @property
     def context_length(self) -> int:
@@ -50,10 +55,16 @@ class MLXDraft(DraftBackend):
     def fork(self) -> "MLXDraft":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
+        twin.compiled = DraftSteps(twin) if self.compiled else None
         return twin
 
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]
+        if self.compiled is not None and count <= BUCKETS[-1]:
+            self.compiled.context(to_mx(features, self.dtype), start)
+            self.cache.length = start + count
+            mx.eval(*self.cache.k, *self.cache.v)
+            return
         fused = rms_norm(to_mx(features, self.dtype)[None] @ self.fc, self.hidden_norm, self.arch.rms_norm_eps)
         cos, sin = self.rope.at(start, count)
         for i, layer in enumerate(self.layers):
@@ -66,15 +77,18 @@ class MLXDraft(DraftBackend):
         start, eps = self.cache.length, self.arch.rms_norm_eps
         size = min(size or self.block_size, self.block_size)
         rows = self.format.block_rows(size, self.block_size)  # a short block: as the draft was trained
-        h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (rows - 1)])]
-        cos, sin = self.rope.at(start if position is None else position, rows)
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.project(rms_norm(h, layer.in_norm, eps), cos, sin)
-            # the block's K/V go after the context but `length` stays: the next context overwrites them
-            k, v = self.cache.write(i, start, k, v)
-            h = layer.attend(h, q, k, v, None)
-        hidden = rms_norm(h[0, 1:size], self.norm, eps)
-        logits = hidden @ self.lm_head
+        if self.compiled is not None:
+            hidden, logits = self.compiled.block(anchor, start if position is None else position, rows, size)
+        else:
+            h = self.embed[mx.array([[anchor] + [self.mask_token_id] * (rows - 1)])]
+            cos, sin = self.rope.at(start if position is None else position, rows)
+            for i, layer in enumerate(self.layers):
+                q, k, v = layer.project(rms_norm(h, layer.in_norm, eps), cos, sin)
+                # the block's K/V go after the context but `length` stays: the next context overwrites them
+                k, v = self.cache.write(i, start, k, v)
+                h = layer.attend(h, q, k, v, None)
+            hidden = rms_norm(h[0, 1:size], self.norm, eps)
+            logits = hidden @ self.lm_head
         mx.eval(logits, hidden)
         self.last_hidden = to_torch(hidden)
         if self.vocab_ids is not None:  # K scores -> the target's vocabulary, FLOOR elsewhere

@@ -14,7 +14,10 @@ from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import take
 
 from hetero_sd.backends.base import TargetBackend, TargetOutput, gather_features
+from hetero_sd.backends.torch_backend.steps import BUCKETS
+
 from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
+from .steps import TargetSteps, steps_mode
 
 
 def to_torch(x: mx.array) -> torch.Tensor:
@@ -25,7 +28,7 @@ class MLXTarget(TargetBackend):
     device = "mlx"
 
     def __init__(self, cfg: ArchConfig, tensors: dict, where, layer_ids: Sequence[int] = (),
-                 max_context: int | None = None, dtype=mx.float32):
+                 max_context: int | None = None, dtype=mx.float32, steps: str = "auto"):
         self.config, self.layer_ids, self.dtype = cfg, list(layer_ids), dtype
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         h, v = cfg.hidden_size, cfg.vocab_size
@@ -36,6 +39,9 @@ class MLXTarget(TargetBackend):
         self.layers = [DecoderLayer(cfg, tensors, f"model.layers.{i}.", where, dtype) for i in range(cfg.num_hidden_layers)]
         self.rope = Rope(cfg, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, dtype)
+        self.steps, _ = steps_mode(steps)  # decode/verify under mx.compile (steps.py)
+        self.compiled = TargetSteps(self) if self.steps == "compiled" else None
+        self.mode = "mx.compile steps" if self.compiled else None
 
     @property
     def length(self) -> int:
@@ -47,6 +53,7 @@ class MLXTarget(TargetBackend):
     def fork(self) -> "MLXTarget":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
+        twin.compiled = TargetSteps(twin) if self.compiled else None
         return twin
 
     def forward(self, token_ids: Sequence[int], *, last_only: bool = False, features: bool = True) -> TargetOutput:
@@ -54,6 +61,12 @@ class MLXTarget(TargetBackend):
         if start + count > self.max_context:
             raise PromptTooLongError(f"{start + count} positions exceed the target's context of {self.max_context}",
                                      "shorten the prompt or lower max_new_tokens")
+        if self.compiled is not None and count <= BUCKETS[-1]:
+            logits, feats = self.compiled(token_ids, start, features)
+            self.cache.length = start + count
+            logits = logits[-1:] if last_only else logits
+            mx.eval(logits, *([feats] if feats is not None else []))
+            return TargetOutput(to_torch(logits), None if feats is None else to_torch(feats))
         h = self.embed[mx.array([list(token_ids)])]
         cos, sin = self.rope.at(start, count)
         mask = None if count == 1 else causal_mask(start, count, self.dtype)

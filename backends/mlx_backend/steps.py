@@ -1,0 +1,146 @@
+"""The MLX target's decode/verify steps and the draft's block and context catch-up under `mx.compile`, at fixed
+shapes: rows rounded up to a bucket, the cache read as a tier of slots (torch_backend/steps.py's buckets and
+tiers). Each compiled function is pure: it reads the cache and returns the new rows' K/V, which the caller then
+writes in place with a slice update as the eager steps do, so a compiled trace is reused at every position
+(the position and the context length are arrays, not Python numbers).
+
+Masks: the cache's slots from `start` on are hidden (-1e9, as the eager steps' causal mask does) and the new
+rows see one another causally (target) or all at once (the draft's block), so padding rows after the real ones
+change nothing the real rows compute, and only the real rows' K/V are written."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from hetero_sd.backends.torch_backend.steps import bucket, tier
+
+from .layers import rms_norm
+
+HIDDEN = -1e9  # an additive mask's hidden entry (the eager steps' value)
+
+
+def steps_mode(asked: str) -> tuple[str, str | None]:
+    """'compiled' or 'eager' for an MLX model, and a note where the choice is not what was asked. 'auto' compiles
+    on Metal (a GPU, where dispatch per op is dear) and stays eager on MLX's CPU build."""
+    if asked == "eager":
+        return "eager", None
+    if asked == "auto":
+        return ("compiled" if mx.metal.is_available() else "eager"), None
+    return "compiled", None  # 'fixed' and 'graphs': mx.compile is MLX's capture
+
+
+def padded(ids: Sequence[int], rows: int) -> mx.array:
+    ids = list(ids)
+    return mx.array([ids + [ids[-1]] * (rows - len(ids))])
+
+
+def cache_mask(start: mx.array, slots: int, rows: int, block: mx.array, dtype) -> mx.array:
+    """[rows, slots + rows]: the cache's slots before `start`, then the new rows as `block` ([rows, rows] bool)."""
+    cached = mx.broadcast_to((mx.arange(slots) < start)[None, :], (rows, slots))
+    return mx.where(mx.concatenate([cached, block], 1), 0.0, HIDDEN).astype(dtype)
+
+
+def ensure(cache, like_heads: int, head_dim: int, need: int, dtype) -> int:
+    """Room for `need` slots in every layer; the tier of slots a step reads."""
+    for i in range(cache.num_layers):
+        if cache.k[i] is None or cache.k[i].shape[2] < need:
+            cache.grow(i, cache.length, need, mx.zeros((1, like_heads, 1, head_dim), dtype))
+    return tier(need, cache.k[0].shape[2])
+
+
+class TargetSteps:
+    def __init__(self, target):
+        self.t = target
+        self.fns: dict = {}
+
+    def __call__(self, token_ids: Sequence[int], start: int, features: bool):
+        t, count = self.t, len(token_ids)
+        rows = bucket(count)
+        c = t.config
+        slots = ensure(t.cache, c.num_key_value_heads, c.head_dim, start + count, t.dtype)
+        t.rope.at(0, start + rows)  # the whole tables go in (a fixed shape); the step takes its rows
+        fn = self.fns.get((rows, slots))
+        if fn is None:
+            fn = self.fns[(rows, slots)] = mx.compile(self.step)
+        ks = [k[:, :, :slots] for k in t.cache.k]
+        vs = [v[:, :, :slots] for v in t.cache.v]
+        positions = mx.arange(start, start + rows)
+        logits, feats, *kv = fn(padded(token_ids, rows), positions, mx.array(start), t.rope.cos, t.rope.sin, *ks, *vs)
+        n = len(t.layers)
+        for i in range(n):
+            t.cache.write(i, start, kv[i][:, :, :count], kv[n + i][:, :, :count])
+        return logits[:count], (feats[:count] if features and t.layer_ids else None)
+
+    def step(self, ids, positions, start, cos, sin, *kv):
+        t, c = self.t, self.t.config
+        n, rows = len(t.layers), ids.shape[1]
+        cos, sin = cos[positions], sin[positions]
+        causal = mx.arange(rows)[None, :] <= mx.arange(rows)[:, None]
+        mask = cache_mask(start, kv[0].shape[2], rows, causal, t.dtype)
+        h, captured, new_k, new_v = t.embed[ids], [], [], []
+        for i, layer in enumerate(t.layers):
+            q, k, v = layer.project(rms_norm(h, layer.in_norm, c.rms_norm_eps), cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            h = layer.attend(h, q, mx.concatenate([kv[i], k], 2), mx.concatenate([kv[n + i], v], 2), mask)
+            if i in t.layer_ids:
+                captured.append(h)
+        logits = rms_norm(h[0], t.norm, c.rms_norm_eps) @ t.lm_head
+        feats = t.gather(captured) if t.layer_ids else mx.zeros((rows, 1), t.dtype)
+        return (logits, feats, *new_k, *new_v)
+
+
+class DraftSteps:
+    def __init__(self, draft):
+        self.d = draft
+        self.fns: dict = {}
+
+    def block(self, anchor: int, position: int, rows: int, size: int):
+        """The block's final-normed hidden states [size-1, H] and its logits over the draft's head columns."""
+        d, a = self.d, self.d.arch
+        start = d.cache.length
+        slots = ensure(d.cache, a.num_key_value_heads, a.head_dim, start + rows, d.dtype)
+        d.rope.at(0, position + rows)
+        key = ("block", rows, size, slots)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self.fns[key] = mx.compile(lambda *args: self.block_step(size, *args))
+        ids = mx.array([[anchor] + [d.mask_token_id] * (rows - 1)])
+        return fn(ids, mx.arange(position, position + rows), mx.array(start), d.rope.cos, d.rope.sin,
+                  *[k[:, :, :slots] for k in d.cache.k], *[v[:, :, :slots] for v in d.cache.v])
+
+    def block_step(self, size, ids, positions, start, cos, sin, *kv):
+        d, eps = self.d, self.d.arch.rms_norm_eps
+        n, rows = len(d.layers), ids.shape[1]
+        cos, sin = cos[positions], sin[positions]
+        mask = cache_mask(start, kv[0].shape[2], rows, mx.ones((rows, rows), dtype=mx.bool_), d.dtype)
+        h = d.embed[ids]
+        for i, layer in enumerate(d.layers):
+            q, k, v = layer.project(rms_norm(h, layer.in_norm, eps), cos, sin)
+            h = layer.attend(h, q, mx.concatenate([kv[i], k], 2), mx.concatenate([kv[n + i], v], 2), mask)
+        hidden = rms_norm(h[0, 1:size], d.norm, eps)
+        return hidden, hidden @ d.lm_head
+
+    def context(self, features: mx.array, start: int) -> None:
+        """Context features [T, L*H] (a bucket's rows at most) to every layer's K/V at slots start.."""
+        d, a, count = self.d, self.d.arch, features.shape[0]
+        rows = bucket(count)
+        ensure(d.cache, a.num_key_value_heads, a.head_dim, start + count, d.dtype)
+        cos, sin = d.rope.at(start, rows)
+        fn = self.fns.get(("context", rows))
+        if fn is None:
+            fn = self.fns[("context", rows)] = mx.compile(self.context_step)
+        if rows > count:
+            features = mx.concatenate([features, mx.zeros((rows - count, features.shape[1]), features.dtype)])
+        kv = fn(features, cos, sin)
+        n = len(d.layers)
+        for i in range(n):
+            d.cache.write(i, start, kv[i][:, :, :count], kv[n + i][:, :, :count])
+
+    def context_step(self, features, cos, sin):
+        d = self.d
+        fused = rms_norm(features[None] @ d.fc, d.hidden_norm, d.arch.rms_norm_eps)
+        ks, vs = zip(*(layer.project(fused, cos, sin, queries=False) for layer in d.layers))
+        return (*ks, *vs)
