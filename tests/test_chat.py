@@ -11,7 +11,7 @@ import pytest
 from hetero_sd.runtime import load
 from hetero_sd.decoding.timeline import bars
 from hetero_sd.tui import ChatApp
-from hetero_sd.tui.session import AnswerBuilder, Conversation, panel_text
+from hetero_sd.tui.session import AnswerBuilder, Baseline, Conversation, panel_text
 
 
 async def until(pilot, condition, timeout: float = 300.0) -> None:
@@ -68,8 +68,10 @@ def test_answer_marks_accepted_drafts_and_keeps_all_text(tiny_llama, tiny_draft)
 def test_panel_and_transcript(tiny_llama, tiny_draft):
     rt = load(str(tiny_llama), str(tiny_draft))
     stats = rt.generate("t5 t9", max_new_tokens=12).stats
-    text = panel_text(stats, rt.info, 10.0, {"schedule": "sequential", "temperature": 0.0}).plain
-    assert "tau" in text and "speedup" in text and "target" in text
+    text = panel_text(stats, rt.info, Baseline(10.0, 512), {"schedule": "sequential", "temperature": 0.0}).plain
+    assert "tau" in text and "target" in text
+    assert f"speedup   {stats.tokens_per_s / 10.0:.2f}x" in text  # the answer's rate over the baseline's
+    assert "AR, 512 tok, at load" in text  # which baseline it is
     assert bars([0, 1, 2]) == " ▄█" and bars([0.0, 0.0]) == "  "
     chat = Conversation()
     chat.ask("hello")
@@ -91,7 +93,7 @@ def test_chat_streams_updates_stats_and_stops_on_escape(default_folder, tmp_path
             assert answer.stopped and answer.text
             assert app.conversation.messages[-1] == {"role": "assistant", "content": answer.text}
             assert app.last_stats.num_generated_tokens < 400
-            assert answer.text in reply.render().plain  # the partial answer stays on screen
+            assert answer.text in reply.shown_text  # the partial answer stays on screen
             await pilot.press("ctrl+s")
             await pilot.pause(0.2)
             saved = list(tmp_path.glob("hetero-sd-chat-*.md"))

@@ -1,10 +1,14 @@
 """`hetero-sd chat`: a multi-turn chat that shows speculative decoding at work.
 
-Generation runs in a worker thread and posts each verified block to the UI, so the app never freezes;
+Generation runs in a worker thread that never waits for the screen: each verified block goes into a queue
+(a put, never blocking), and a timer drains it FPS times a second, appending the new text to the answer
+(one chunk re-rendered, `answer_view.py`) and refreshing the panel PANEL_HZ times a second. The engine
+runs at its own speed whatever the tokens per second, and its stats' clock is the one the panel shows.
 Esc stops between two blocks and keeps what was generated."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from pathlib import Path
@@ -17,8 +21,16 @@ from textual.widgets import Footer, Header, Input, Static
 
 from hetero_sd.errors import HeteroSDError
 
-from .session import Answer, AnswerBuilder, Conversation, measure_baseline, model_names, panel_text
+from .answer_view import AnswerView
+from .quit import QuitScreen
+from .session import (Answer, AnswerBuilder, Baseline, Conversation, measure_baseline, model_names, panel_text,
+                      save_transcript)
 from .settings import SettingsScreen
+
+FPS = 20  # screen updates per second while an answer streams
+PANEL_HZ = 4  # panel updates per second (its charts walk every step so far)
+FRAME_CHARS = 32768  # characters of new text a frame shows at most (wrapping them takes ~30 ms)
+SHOWN_QUESTION = 4000  # characters of a question echoed in the chat (all of it is sent and saved)
 
 
 class Message(Static):
@@ -50,19 +62,25 @@ class ChatApp(App):
     ]
 
     def __init__(self, load_kwargs: dict, temperature: float = 0.0, max_new_tokens: int = 512,
-                 save_dir: str | Path = "."):
+                 save_dir: str | Path = ".", loader=None):
         super().__init__()
         self.load_kwargs = dict(load_kwargs)
+        self.loader = loader  # load(**load_kwargs) -> Runtime; hetero_sd.runtime.load unless given
         self.settings = {"temperature": temperature, "schedule": load_kwargs.get("schedule", "sequential"),
                          "max_new_tokens": max_new_tokens}
         self.save_dir = Path(save_dir)
         self.runtime = None
-        self.baseline_tps: float | None = None
+        self.baseline: Baseline | None = None
         self.conversation = Conversation()
+        self.saved_messages = 0  # messages of the conversation in the last saved transcript
         self.stop_event = threading.Event()
         self.generating = False
+        self.quitting: str | None = None  # "save" or "quit" once the streaming answer has stopped
         self.show_sources = True
-        self.answers: list[tuple[Message, Answer]] = []
+        self.answers: list[tuple[AnswerView, Answer]] = []
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (view, segments | Answer | Exception, stats)
+        self.backlog: list = []  # taken from the inbox, not yet shown
+        self.panel_at = 0.0
         self.last_stats = None
         self.load_error: str | None = None  # why the last load failed (the exit status says so if none ever loaded)
         self.ever_loaded = False
@@ -77,6 +95,8 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#log").anchor()  # follows the answer until the user scrolls up
+        self.set_interval(1 / FPS, self.drain)
         self.load_runtime()
 
     # --- model loading -------------------------------------------------------------------------
@@ -89,8 +109,11 @@ class ChatApp(App):
         try:
             if self.runtime is not None:
                 self.runtime.close()
-            self.runtime = None
-            self.runtime = load(**self.load_kwargs)
+            self.runtime = self.baseline = None
+            self.runtime = (self.loader or load)(**self.load_kwargs)
+            self.call_from_thread(self.refresh_panel)
+            # before the prefix cache is on: the baseline's prompt is computed, as a first question's is
+            self.baseline = measure_baseline(self.runtime, self.settings["max_new_tokens"])
             self.runtime.prefix_cache = True  # a new turn reuses the caches of the conversation so far
         except Exception as e:  # any failure is shown in the app; the user can change settings or quit
             problem, fix = ((e.problem, e.fix) if isinstance(e, HeteroSDError) else
@@ -104,8 +127,6 @@ class ChatApp(App):
         for note in self.runtime.notes:
             self.call_from_thread(self.say, f"note: {note}", "note")
         self.call_from_thread(self.refresh_panel)
-        self.baseline_tps = measure_baseline(self.runtime)
-        self.call_from_thread(self.refresh_panel)
         self.call_from_thread(self.set_ready, True, "Ask something (Enter to send)")
 
     def set_ready(self, ready: bool, placeholder: str) -> None:
@@ -116,56 +137,83 @@ class ChatApp(App):
 
     # --- chatting ------------------------------------------------------------------------------
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
+    async def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.input.id != "prompt":  # Enter in another field (a dialog's) is never a chat turn
             return
         text = event.value.strip()
-        if not text or self.generating or self.runtime is None:
+        if not text or self.generating or self.runtime is None or self.quitting:
             return
-        event.input.value = ""
-        self.say(f"you: {text}", "user")
-        reply = Message("")
-        self.query_one("#log").mount(reply)
-        answer = Answer()
-        self.answers.append((reply, answer))
         self.generating = True
+        event.input.value = ""
+        # a long question (a paste) is echoed in part: rendering a megabyte would stall the screen; it is
+        # sent whole, and tokenized and checked against the context in the worker, off the UI thread
+        shown = text if len(text) <= SHOWN_QUESTION else (
+            f"{text[:SHOWN_QUESTION]}… ({len(text):,} characters in all, sent whole)")
+        self.say(f"you: {shown}", "user")
+        reply = AnswerView(self.show_sources)
+        await self.query_one("#log").mount(reply)
+        self.answers.append((reply, Answer()))
         self.stop_event.clear()
-        self.generate(self.conversation.ask(text), reply, answer)
+        self.generate(self.conversation.ask(text), reply)
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate(self, messages: list[dict], reply: Message, answer: Answer) -> None:
+    def generate(self, messages: list[dict], reply: AnswerView) -> None:
+        """Runs the answer; hands each block to the UI through `inbox` without waiting for it."""
         builder = AnswerBuilder(self.runtime)
-        builder.answer = answer
+        post = self.inbox.put
         try:
             for event in self.runtime.stream(messages, temperature=self.settings["temperature"],
                                              max_new_tokens=self.settings["max_new_tokens"],
                                              schedule=self.settings["schedule"]):
-                builder.add(event.token_ids, event.accepted)
-                self.call_from_thread(self.show_progress, reply, answer, event.stats)
+                post((reply, builder.add(event.token_ids, event.accepted), event.stats))
                 if self.stop_event.is_set():
-                    answer.stopped = True
+                    builder.answer.stopped = True
                     break
         except Exception as e:  # never lose the conversation to an error in one answer
-            self.call_from_thread(self.failed, reply, e)
+            post((reply, e, None))
             return
-        self.call_from_thread(self.finished, reply, answer)
+        post((reply, builder.answer, None))
 
-    def show_progress(self, reply: Message, answer: Answer, stats) -> None:
-        reply.update(answer.render(self.show_sources))
-        self.last_stats = stats
-        self.refresh_panel()
-        self.query_one("#log").scroll_end(animate=False)
+    def drain(self) -> None:
+        """What the worker posted since the last frame, up to FRAME_CHARS of text (the rest waits for the
+        next frames, so a flood of text never stalls the screen): text appended per answer, then the panel."""
+        while True:
+            try:
+                self.backlog.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        new: dict[AnswerView, list] = {}
+        done, budget, taken = None, FRAME_CHARS, 0
+        while taken < len(self.backlog) and budget > 0 and done is None:
+            reply, item, stats = self.backlog[taken]
+            taken += 1
+            if isinstance(item, list):
+                new.setdefault(reply, []).extend(item)
+                budget -= sum(len(text) for text, _ in item)
+                self.last_stats = stats
+            else:
+                done = (reply, item)
+        del self.backlog[:taken]
+        for reply, segments in new.items():
+            reply.append(segments)
+        if done is not None:
+            (self.finished if isinstance(done[1], Answer) else self.failed)(*done)
+        if done is not None or (new and time.monotonic() - self.panel_at >= 1 / PANEL_HZ):
+            self.refresh_panel()
 
-    def finished(self, reply: Message, answer: Answer) -> None:
-        reply.update(answer.render(self.show_sources))
+    def finished(self, reply: AnswerView, answer: Answer) -> None:
+        reply.finish(answer.stopped)
+        self.answers[-1] = (reply, answer)
         self.conversation.answered(answer)
         self.generating = False
         if self.last_stats is not None:
             for note in self.last_stats.notes:
                 if note not in self.runtime.notes:
                     self.say(f"note: {note}", "note")
+        if self.quitting:
+            self.quit_now(self.quitting)
 
-    def failed(self, reply: Message, error: Exception) -> None:
+    def failed(self, reply: AnswerView, error: Exception) -> None:
         reply.remove()
         self.answers.pop()
         question = self.conversation.withdraw()
@@ -176,15 +224,16 @@ class ChatApp(App):
         box = self.query_one("#prompt", Input)
         box.value = box.value or question  # nothing the user typed is lost
         self.generating = False
+        if self.quitting:
+            self.quit_now(self.quitting)
 
     def say(self, text: str, kind: str) -> None:
-        log = self.query_one("#log")
-        log.mount(Message(text, classes=kind))
-        log.scroll_end(animate=False)
+        self.query_one("#log").mount(Message(text, classes=kind, markup=False))  # typed text is never markup
 
     def refresh_panel(self) -> None:
+        self.panel_at = time.monotonic()
         info = self.runtime.info if self.runtime else {}
-        self.query_one("#panel", Static).update(panel_text(self.last_stats, info, self.baseline_tps, self.settings))
+        self.query_one("#panel", Static).update(panel_text(self.last_stats, info, self.baseline, self.settings))
 
     # --- keys ----------------------------------------------------------------------------------
 
@@ -203,25 +252,59 @@ class ChatApp(App):
         self.last_stats = None
         self.refresh_panel()
 
-    def action_save(self) -> None:
-        """Write the transcript; a folder that cannot be written is reported in the app, and the
-        conversation stays as it is (save again after fixing it)."""
-        path = (self.save_dir / time.strftime("hetero-sd-chat-%Y%m%d-%H%M%S.md")).absolute()
+    def transcript_stem(self) -> str:
+        return time.strftime("hetero-sd-chat-%Y%m%d-%H%M%S")
+
+    def action_save(self) -> bool:
+        """Write the transcript to a new file (never over an existing file or through a link); a folder
+        that cannot be written is reported in the app, and the conversation stays as it is (save again
+        after fixing it). An answer still streaming is not in it yet (it joins the conversation when it ends)."""
+        folder = self.save_dir.absolute()
         try:
-            path.write_text(self.conversation.markdown(self.runtime.info if self.runtime else {}))
+            path = save_transcript(folder, self.transcript_stem(),
+                                   self.conversation.markdown(self.runtime.info if self.runtime else {}))
         except OSError as e:
-            self.say(f"error: cannot save the conversation to {path} ({e.strerror or e})\n"
+            self.say(f"error: cannot save the conversation in {folder} ({e.strerror or e})\n"
                      "fix: start hetero-sd chat with --save-dir set to a folder you can write to; "
                      "the conversation is kept here", "error")
             self.notify(f"not saved: {e.strerror or e}", severity="error")
-            return
+            return False
+        self.saved_messages = len(self.conversation.messages)
         self.say(f"saved {path}", "note")
         self.notify(f"saved {path}")
+        return True
+
+    async def action_quit(self) -> None:
+        """Quit at once when nothing would be lost; otherwise ask (save and quit, quit, or stay)."""
+        if isinstance(self.screen, QuitScreen) or self.quitting:
+            return
+        unsaved = len(self.conversation.messages) > self.saved_messages
+        if not self.generating and not unsaved:
+            self.exit()
+            return
+        reason = "An answer is still streaming" if self.generating else "The conversation has unsaved turns"
+        self.push_screen(QuitScreen(reason), self.quit_chosen)
+
+    def quit_chosen(self, choice: str | None) -> None:
+        if choice is None:
+            return
+        if self.generating:  # stop the answer first; it ends in the conversation, then we save and quit
+            self.quitting = choice
+            self.stop_event.set()
+            self.notify("stopping the answer, then quitting")
+            return
+        self.quit_now(choice)
+
+    def quit_now(self, choice: str) -> None:
+        self.quitting = None
+        if choice == "save" and not self.action_save():
+            return  # not saved: the app stays, with the error shown
+        self.exit()
 
     def action_toggle_sources(self) -> None:
         self.show_sources = not self.show_sources
-        for reply, answer in self.answers:
-            reply.update(answer.render(self.show_sources))
+        for reply, _ in self.answers:
+            reply.set_sources(self.show_sources)
         self.notify("accepted draft tokens " + ("in green" if self.show_sources else "not marked"))
 
     def action_toggle_panel(self) -> None:

@@ -3,8 +3,9 @@ which tokens came from accepted drafts, the transcript, and the side panel's fig
 
 from __future__ import annotations
 
-import time
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.text import Text
 
@@ -13,8 +14,10 @@ from hetero_sd.decoding.stats import Stats
 from hetero_sd.decoding.timeline import bars
 
 BASELINE_PROMPT = "Describe a lighthouse in two sentences."
-BASELINE_TOKENS = 32
+BASELINE_TOKENS = 512  # at most; an answer of the app's default length is compared with a baseline as long
+BASELINE_SECONDS = 3.0  # and at most this long (a slow target stops earlier: the rate is per token)
 DRAFT_STYLE = "bold green"
+Segment = tuple[str, str]  # (text, source): "draft" or "target"
 
 
 @dataclass
@@ -30,9 +33,7 @@ class Answer:
         return "".join(t for t, _ in self.segments)
 
     def render(self, show_sources: bool) -> Text:
-        out = Text()
-        for text, source in self.segments:
-            out.append(text, DRAFT_STYLE if show_sources and source == "draft" else "")
+        out = styled(self.segments, show_sources)
         if self.stopped:
             out.append("  [stopped]", "italic dim")
         return out
@@ -44,12 +45,58 @@ class AnswerBuilder:
     def __init__(self, runtime: Runtime):
         self.stream, self.answer = TextStream(runtime.tokenizer), Answer()
 
-    def add(self, token_ids: list[int], accepted: int | None) -> None:
+    def add(self, token_ids: list[int], accepted: int | None) -> list[Segment]:
+        """The step's new segments (also kept in `answer`)."""
         drafted = min(accepted or 0, len(token_ids))
+        new = []
         for ids, source in ((token_ids[:drafted], "draft"), (token_ids[drafted:], "target")):
             piece = self.stream.add(ids) if ids else ""
             if piece:
-                self.answer.segments.append((piece, source))
+                new.append((piece, source))
+        self.answer.segments += new
+        return new
+
+
+def styled(segments: list[Segment], show_sources: bool) -> Text:
+    out = Text()
+    for text, source in segments:
+        out.append(text, DRAFT_STYLE if show_sources and source == "draft" else "")
+    return out
+
+
+def chunked(segments: list[Segment], limit: int) -> list[list[Segment]]:
+    """The segments as chunks of at most `limit` characters, each ending after its last newline, else its
+    last space, else at the limit (a line with neither is cut anywhere); sources are kept. Linear in the
+    text's length, whatever the number of chunks."""
+    text = "".join(t for t, _ in segments)
+    cuts, start = [], 0
+    while len(text) - start > limit:
+        start += cut_point(text[start:start + limit], limit)
+        cuts.append(start)
+    chunks: list[list[Segment]] = [[]]
+    seen = 0
+    for piece, source in segments:
+        end = seen + len(piece)
+        while len(chunks) <= len(cuts) and cuts[len(chunks) - 1] < end:
+            at = cuts[len(chunks) - 1] - seen
+            if at > 0:
+                chunks[-1].append((piece[:at], source))
+            piece, seen = piece[at:], seen + at
+            chunks.append([])
+        if piece:
+            chunks[-1].append((piece, source))
+        seen = end
+    return chunks
+
+
+def cut_point(text: str, limit: int) -> int:
+    """Where a chunk of at most `limit` characters ends: after its last newline, else its last space,
+    else at the limit."""
+    for sep in ("\n", " "):
+        at = text.rfind(sep, 0, limit)
+        if at > 0:
+            return at + 1
+    return limit
 
 
 @dataclass
@@ -76,12 +123,48 @@ class Conversation:
         return "\n".join(lines)
 
 
-def measure_baseline(runtime: Runtime) -> float:
-    """Autoregressive tokens/s of the loaded target on a fixed prompt: the speedup's denominator."""
+@dataclass
+class Baseline:
+    """The speedup's denominator: autoregressive tokens/s of the loaded target, on the engine's own clock
+    (`Stats.tokens_per_s`, prefill included, as every answer's tok/s is)."""
+
+    tokens_per_s: float
+    tokens: int
+
+    def describe(self) -> str:
+        return f"AR, {self.tokens} tok, at load"
+
+
+def measure_baseline(runtime: Runtime, max_new_tokens: int = BASELINE_TOKENS) -> Baseline:
+    """The loaded target alone (no draft) on a fixed chat prompt, after a 4-token warm-up: as many tokens as
+    an answer may have (up to BASELINE_TOKENS), or what BASELINE_SECONDS allow on a slow target."""
     runtime.generate(BASELINE_PROMPT, max_new_tokens=4, speculative=False)  # warm-up: first calls allocate
-    began = time.perf_counter()
-    out = runtime.generate(BASELINE_PROMPT, max_new_tokens=BASELINE_TOKENS, speculative=False, stop_at_eos=False)
-    return out.stats.num_generated_tokens / (time.perf_counter() - began)
+    events = runtime.stream(BASELINE_PROMPT, max_new_tokens=max(1, min(max_new_tokens, BASELINE_TOKENS)),
+                            speculative=False, stop_at_eos=False)
+    try:
+        for event in events:
+            if event.stats.total_s > BASELINE_SECONDS:
+                break
+    finally:
+        events.close()  # a baseline cut short gives its caches back now
+    return Baseline(event.stats.tokens_per_s, event.stats.num_generated_tokens)
+
+
+def save_transcript(folder: Path, stem: str, text: str) -> Path:
+    """Write `text` to a new file `stem.md` in `folder` (or `stem-1.md`, ... where that name is taken). The
+    file is created with O_EXCL | O_NOFOLLOW: an existing file or link at the name is never followed,
+    truncated or replaced, whoever put it there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for n in range(1000):
+        path = folder / (f"{stem}.md" if n == 0 else f"{stem}-{n}.md")
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    raise FileExistsError(f"{folder / stem}.md and 999 numbered names after it exist")
 
 
 def model_names(info: dict) -> str:
@@ -92,8 +175,9 @@ def model_names(info: dict) -> str:
     return f"{name(info.get('target', '?'))} + {draft}"
 
 
-def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, settings: dict, width: int = 26) -> Text:
-    """The side panel: placement, speed, acceptance, device timelines and drift."""
+def panel_text(stats: Stats | None, info: dict, baseline: Baseline | None, settings: dict, width: int = 26) -> Text:
+    """The side panel: placement, speed (the answer's and the baseline's, both on the engine's clock),
+    acceptance, device timelines and drift."""
     t = Text()
 
     def row(label: str, value: str, style: str = "") -> None:
@@ -104,13 +188,19 @@ def panel_text(stats: Stats | None, info: dict, baseline_tps: float | None, sett
     row("draft", f"{info.get('draft_device')}" if info.get("draft") else "none (autoregressive)")
     row("schedule", settings.get("schedule", "sequential"))
     row("temp", f"{settings.get('temperature', 0.0):g}")
+
+    def baseline_rows() -> None:
+        row("baseline", f"{baseline.tokens_per_s:.1f} tok/s" if baseline else "measuring...")
+        if baseline:
+            row("", baseline.describe(), "dim")
+
     if stats is None:
-        row("baseline", f"{baseline_tps:.1f} tok/s" if baseline_tps else "measuring...")
+        baseline_rows()
         return t
     row("tok/s", f"{stats.tokens_per_s:.1f}", "bold")
-    row("baseline", f"{baseline_tps:.1f} tok/s" if baseline_tps else "measuring...")
-    if baseline_tps:
-        row("speedup", f"{stats.tokens_per_s / baseline_tps:.2f}x", "bold")
+    baseline_rows()
+    if baseline and baseline.tokens_per_s > 0:
+        row("speedup", f"{stats.tokens_per_s / baseline.tokens_per_s:.2f}x", "bold")
     row("tau", f"{stats.tau:.2f}" if stats.mode == "speculative" else "- (no draft)", "bold")
     if stats.mode == "speculative" and (stats.plain_steps or stats.controller is not None or stats.switches):
         now = "plain" if stats.current_size == 1 else f"block {stats.current_size}"
