@@ -12,12 +12,13 @@ with a plain-text 413 and keeps the connection open, reading (and discarding) th
 from __future__ import annotations
 
 import asyncio
+import json
 
 import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import respond
+from .errors import body, respond
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token conversation is ~0.5 MB of JSON; 32x that leaves room
 HEADER_TIMEOUT_S = 30.0
@@ -101,8 +102,9 @@ class TimedH11Protocol(H11Protocol):
             return  # closed already, or a request is being answered
         pending, _ = self.conn.trailing_data
         if pending and self.conn.our_state is h11.IDLE:  # a request had begun: say why it ends
-            text = (b'{"error":{"message":"the request headers were not complete within %d s","type":'
-                    b'"invalid_request_error","param":null,"code":"request_timeout"}}' % int(self.header_timeout))
+            text = json.dumps(body(408, f"the request headers were not complete within {self.header_timeout:g} s; "
+                                        "send the whole request at once (the limit is serve --header-timeout)",
+                                   None, "request_timeout")).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
         self.transport.close()
