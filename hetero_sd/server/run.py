@@ -45,8 +45,8 @@ class Server(uvicorn.Server):
 def config(runtime, settings: Settings, host: str = "127.0.0.1", port: int = 8000, shutdown_s: float = 10.0,
            log_level: str = "info", header_timeout: float = HEADER_TIMEOUT_S,
            keep_alive_timeout: float = KEEP_ALIVE_S) -> uvicorn.Config:
-    """uvicorn on h11 (its request-header size limit, 16 KiB, answers 400 beyond it) with the header timeout
-    of limits.py, and its keep-alive timeout: an idle connection is closed after keep_alive_timeout seconds."""
+    """uvicorn on h11 (a request head still incomplete past 16 KiB is its 400) with the header timeout of
+    limits.py, and its keep-alive timeout: an idle connection is closed after keep_alive_timeout seconds."""
     app = create_app(runtime, settings, close_runtime=True)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_s,
                           access_log=log_level == "debug", http=timed_protocol(header_timeout),
