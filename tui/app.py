@@ -152,14 +152,17 @@ class ChatApp(App):
         self.say(f"you: {shown}", "user")
         reply = AnswerView(self.show_sources)
         await self.query_one("#log").mount(reply)
-        self.answers.append((reply, Answer()))
+        answer = Answer()
+        self.answers.append((reply, answer))
         self.stop_event.clear()
-        self.generate(self.conversation.ask(text), reply)
+        self.generate(self.conversation.ask(text), reply, answer)
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate(self, messages: list[dict], reply: AnswerView) -> None:
-        """Runs the answer; hands each block to the UI through `inbox` without waiting for it."""
+    def generate(self, messages: list[dict], reply: AnswerView, answer: Answer) -> None:
+        """Runs the answer (its segments grow in `answer`); hands each block to the UI through `inbox`
+        without waiting for it."""
         builder = AnswerBuilder(self.runtime)
+        builder.answer = answer
         post = self.inbox.put
         try:
             for event in self.runtime.stream(messages, temperature=self.settings["temperature"],
@@ -203,7 +206,6 @@ class ChatApp(App):
 
     def finished(self, reply: AnswerView, answer: Answer) -> None:
         reply.finish(answer.stopped)
-        self.answers[-1] = (reply, answer)
         self.conversation.answered(answer)
         self.generating = False
         if self.last_stats is not None:

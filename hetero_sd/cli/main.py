@@ -160,6 +160,9 @@ def check_args(args) -> None:
             raise InvalidArgumentError("--draft-device is empty", "name a device (hetero-sd devices), or leave it out")
         if args.command == "bench":
             bench_args(args)
+        if args.command == "chat" and args.max_new_tokens < 1:  # an answer of no tokens is no chat turn
+            raise InvalidArgumentError(f"--max-new-tokens must be >= 1 for chat, got {args.max_new_tokens}",
+                                       "pass --max-new-tokens 512 (the longest answer, in tokens)")
         if isinstance(args.block_size, int) and args.block_size < 2:
             raise InvalidArgumentError(f"--block-size {args.block_size} leaves no room for drafts",
                                        "use a block size >= 2 (up to the draft's own), or 'auto'")
