@@ -8,7 +8,7 @@ import torch
 
 from hetero_sd.models.config import ArchConfig, DraftConfig
 from hetero_sd.models import draft_vocab
-from hetero_sd.models.draft_format import check_tensors
+from hetero_sd.models.draft_format import read_tensors
 from hetero_sd.models.weights import converted_from, load_weights
 
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
@@ -62,7 +62,7 @@ def load_draft(folder: Path, cfg: DraftConfig, target, device: str, dtype: torch
                policy: LoadPolicy = DEFAULT) -> TorchDraft:
     """int8_head=False: the target's own head (a float32 reference that measures another draft's drift
     must not carry the int8 head's rounding); the policy can turn the int8 head off too."""
-    tensors = tensors if tensors is not None else check_tensors(load_weights(folder), cfg, folder)
+    tensors = tensors if tensors is not None else read_tensors(folder, cfg)  # either layout (draft_format.py)
     feature_size = len(target.layer_ids) * target.config.hidden_size
     int8, lm_head, ids = int8_head and policy.draft_int8_head, as_torch(target.lm_head), head.vocab_ids(tensors, policy)
     if ids is not None:  # a reduced head: those rows of the target's head (head.py)
