@@ -393,3 +393,23 @@ def test_export_draft_command_prints_its_report(tmp_path, capsys, tiny_draft):
     assert main(["export-draft", str(tiny_draft), "--to", "mlx", "--out", str(tmp_path / "m")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["format"] == "mlx" and "left_behind" not in report
+
+
+def test_a_draft_loaded_from_its_folder_alone_applies_the_extension(tiny_llama, tiny_draft, tmp_path):
+    """The evaluator (train/evaluate.py, eval_heldout.py) loads a draft from its folder, not through the
+    loader: the reduced head's ids in hetero_sd.json reach it too."""
+    from hetero_sd.backends.torch_backend import load_draft
+    from hetero_sd.models.draft_format import write_folder
+
+    raw = read_config(tiny_draft)
+    tensors = read_tensors(tiny_draft, DraftConfig.from_folder(tiny_draft))
+    raw["dflash_config"][draft_vocab.KEY] = 3
+    write_folder(tmp_path / "r", raw, tensors | {draft_vocab.TENSOR: torch.tensor([1, 5, 9])})
+    assert draft_vocab.TENSOR not in load_file(str(tmp_path / "r" / "model.safetensors"))
+    rt = hetero_sd.load(str(tiny_llama), str(tiny_draft))
+    d = load_draft(tmp_path / "r", DraftConfig.from_folder(tmp_path / "r"), rt.target, "cpu", torch.float32, 3)
+    d.add_context(torch.randn(4, d.fc.shape[0]))
+    logits = d.propose(5)
+    outside = torch.ones(logits.shape[1], dtype=torch.bool)
+    outside[[1, 5, 9]] = False
+    assert (logits[:, outside] == draft_vocab.FLOOR).all() and (logits[:, ~outside] > draft_vocab.FLOOR).all()
