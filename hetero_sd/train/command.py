@@ -227,4 +227,6 @@ def train_on(target: Path, rows: list[dict], out: Path, args: argparse.Namespace
             p.update(task, completed=record["step"], description=shown)
 
         train(target, rows, out, cfg, resume=args.resume, progress=progress)
-    err.print(f"draft written to {out} (config.json + model.safetensors, z-lab DFlash format)")
+    err.print(f"draft written to {out} (z-lab's config.json + model.safetensors"
+              + (", hetero_sd.json beside them" if (out / "hetero_sd.json").is_file() else "")
+              + f"; for llama.cpp, vLLM, SGLang, MLX: hetero-sd export-draft {out} --to gguf|zlab|mlx, docs/drafts.md)")
