@@ -20,6 +20,7 @@ from hetero_sd.backends.drift import Drift
 from hetero_sd.backends.base import logits_of
 from hetero_sd.backends.shadow import ShadowedDraft
 from hetero_sd.decoding import loop as decoding
+from hetero_sd.decoding.constrained import Grammar, grammar_tokenizer, lark_grammar, schema_grammar
 from hetero_sd.decoding.controller import AutoBlock, FixedBlock, Memory
 from hetero_sd.decoding.cost_cache import code_id, cost_key, costs_for, forget as forget_costs, source_id
 from hetero_sd.decoding.costs import backend_dtype
@@ -29,7 +30,8 @@ from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens
 from hetero_sd.decoding.stats import Stats
 from hetero_sd.decoding.timeline import Timeline
 from hetero_sd.devices import cpu_bound
-from hetero_sd.errors import ConfigError, DeviceFailedError, PromptTooLongError, RuntimeClosedError
+from hetero_sd.errors import (ConfigError, DeviceFailedError, InvalidArgumentError, PromptTooLongError,
+                              RuntimeClosedError)
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.loading.loader import load_models
 from hetero_sd.loading.templates import ChatOptions, chat_ids, chat_options
@@ -208,7 +210,9 @@ class Runtime:
         "fixed" or a size up to the draft's), verify_gate=None (the runtime's: None, or verify only the drafts
         before the first whose draft probability is below it: sampling.gated), lookup=None (the runtime's: the
         context lookup's weight in the draft's proposals, 0 off: decoding/lookup.py), timeline=None (record into
-        this one)."""
+        this one), json_schema=None (a JSON schema, dict or JSON text, the output must follow) or grammar=None
+        (a Lark grammar in llguidance's dialect), enforced on the target's distribution before acceptance
+        (decoding/constrained.py: lossless; the grammar's record is stats.constrained)."""
         self.check_open()
         prompt = validate.prompt(prompt)
         prompt_ids, notes = self.encode(prompt, chat, self.chat_options.override(system_prompt, chat_template_kwargs))
@@ -220,7 +224,7 @@ class Runtime:
                frequency_penalty: float = 0.0, speculative: bool = True, rule: str = "match", schedule: str | None = None,
                timeline: Timeline | None = None, request: int = 0, draft=None,
                block: str | int | None = None, verify_gate: float | None = None,
-               lookup: float | None = None) -> Iterator[StreamEvent]:
+               lookup: float | None = None, json_schema=None, grammar: str | None = None) -> Iterator[StreamEvent]:
         """Everything is checked here, before any model work; the returned iterator takes its own
         caches (a slot) when first advanced and gives them back when it ends or is closed.
         draft: another draft over the same target (bench's float32 reference); forked per generation."""
@@ -232,6 +236,7 @@ class Runtime:
         validate.optional("timeline", timeline, Timeline, "pass a Timeline (hetero_sd.decoding.timeline) or leave it out")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty)
+        constrained = self.grammar(json_schema, grammar, stop_at_eos)
         if schedule == "pipeline":  # asked of one generation: refused, not run sequentially in silence
             raise ConfigError("schedule 'pipeline' needs two requests at once; a generation is one",
                               "use generate_many(prompts, schedule='pipeline'), or schedule='sequential' or 'overlap'")
@@ -255,6 +260,9 @@ class Runtime:
         req = decoding.Request(None, None, prompt_ids, sampler_for(params, seed, prompt_ids),
                                decoding.Budget(max_new_tokens, self.stop_ids if stop_at_eos else []),
                                stats, Lanes(self.target_lane, self.draft_lane, stats.timeline, request), rule)
+        if constrained is not None:
+            stats.constrained = {}
+            req.sampler.constraint = constrained.start(stats.constrained)
         if use_draft:
             req.lookup = self.context_lookup(lookup, prompt_ids, stats)
             # lookup blocks (the lookup's guesses without a draft pass) in the sequential loop; the overlap
@@ -264,6 +272,17 @@ class Runtime:
         loop = (decoding.autoregressive if not use_draft else
                 decoding.overlapped if schedule == "overlap" else decoding.speculative)
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
+
+    def grammar(self, json_schema, grammar: str | None, stop_at_eos: bool) -> Grammar | None:
+        """The checked grammar of a generation's json_schema or Lark grammar (one of them), or None."""
+        if json_schema is not None and grammar is not None:
+            raise InvalidArgumentError("json_schema and grammar were both given", "pass one of them")
+        if json_schema is None and grammar is None:
+            return None
+        text = schema_grammar(json_schema) if json_schema is not None else lark_grammar(grammar)
+        stops = self.stop_ids if stop_at_eos else []
+        return Grammar.build(text, grammar_tokenizer(self.tokenizer, self.target.config.vocab_size, stops),
+                             self.target.config.vocab_size, "json_schema" if json_schema is not None else "grammar")
 
     def context_lookup(self, weight: float, prompt_ids: list[int], stats: Stats) -> ContextLookup | None:
         """The lookup over the prompt, or None: off, or a DFlash2 draft (its selector walks its own candidates;

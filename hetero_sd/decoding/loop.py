@@ -104,9 +104,13 @@ class Request:
         return size
 
     def emit(self, tokens: list[int]) -> list[int]:
+        if self.sampler.constraint is not None:  # nothing after the token that completes a grammar
+            tokens = self.sampler.constraint.through_end(tokens)
         kept = self.budget.take(tokens)
+        self.sampler.emitted(kept)  # the penalties count what was generated; a grammar advances
+        if self.sampler.constraint is not None and self.sampler.constraint.finished and not self.budget.done:
+            self.budget.done, self.budget.finish_reason = True, "stop"  # the grammar is complete (constrained.py)
         self.stats.record_emitted(len(kept), self.budget.finish_reason)
-        self.sampler.emitted(kept)  # the penalties count what was generated
         if self.lookup:
             self.lookup.extend(kept)
         if self.policy:
@@ -207,6 +211,8 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
         drafted, q = draft_tokens(r.sampler.at(start + 1), logits, r.rule, r.lookup)  # row i: position start + 1 + i
         if r.lookup:
             r.stats.lookup_drafts = r.lookup.steered
+    if r.sampler.constraint is not None:  # cut at the first token the grammar forbids (constrained.py)
+        drafted, q = r.sampler.constraint.proposals(r.sampler, drafted, q, r.rule)
     if r.gate is not None and not isinstance(logits, Guessed):
         keep = gated(logits, drafted, q, r.gate)
         r.stats.gated_drafts += len(drafted) - keep

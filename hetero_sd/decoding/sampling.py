@@ -69,6 +69,7 @@ class Sampler:
         self.seed = secrets.randbits(64) if seed is None else seed
         self.position = 0
         self.calls = 0  # draws at this position that named no offset (each gets its own key)
+        self.constraint = None  # a grammar the output must follow (constrained.Constraint), or None
 
     def at(self, position: int) -> "Sampler":
         self.position, self.calls = position, 0
@@ -92,15 +93,19 @@ class Sampler:
         return torch.Generator(device=device).manual_seed(self.key(0, purpose))
 
     def penalize(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> torch.Tensor:
-        """The penalties, given the tokens emitted so far (and drafted[:i] for row i: penalties.py)."""
+        """The penalties, given the tokens emitted so far (and drafted[:i] for row i: penalties.py); under a
+        grammar, row i masked by its state after drafted[:i] (constrained.py)."""
         p = self.params
-        if not p.penalized:
-            return logits.float()
-        return penalize(logits, self.history, drafted, p.repetition_penalty, p.presence_penalty,
-                        p.frequency_penalty)
+        if p.penalized:
+            logits = penalize(logits, self.history, drafted, p.repetition_penalty, p.presence_penalty,
+                              p.frequency_penalty)
+        logits = logits.float()
+        return logits if self.constraint is None else self.constraint.mask(logits, drafted)
 
     def emitted(self, tokens: list[int]) -> None:
         self.history.output += tokens
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
 
     def probs(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> torch.Tensor:
         """[N, V] float32 logits -> [N, V] probabilities after the penalties, temperature, top-k, top-p
@@ -153,6 +158,8 @@ def draft_tokens(sampler: Sampler, draft_logits, rule: str, lookup=None) -> tupl
     """The block's proposals, and q (the distribution they were drawn from) when the rule needs it.
     draft_logits: [n, vocab], or a DFlash2 SelectorBlock (its selector draws the tokens and gives q).
     lookup: a lookup.ContextLookup whose guesses are mixed into q (DFlash blocks; not a selector's walk)."""
+    if sampler.constraint is not None:  # row i masked by the grammar after the proposals before it
+        return sampler.constraint.draft(sampler, draft_logits, rule)
     if isinstance(draft_logits, SelectorBlock):
         return draft_logits.choose(sampler, rule)
     if sampler.params.greedy or rule == "match":
@@ -202,9 +209,9 @@ def matched(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int]) -
     """Sampling with the match rule: the target draws each position (row i with the uniform of position
     + i, as `sample` draws all rows at once), and a draft is kept while it equals the draw. Rows past the first
     mismatch are never drawn: their cumulative sums over the vocabulary (float64) were most of a step's
-    sampling work, and only ~tau of a block's rows are ever needed. Without penalties each row's
+    sampling work, and only ~tau of a block's rows are ever needed. Without penalties or a grammar each row's
     probabilities are computed only when it is drawn too (with them, row i depends on drafted[:i]: all rows)."""
-    rows = None if not sampler.params.penalized else sampler.probs(target_logits, drafted)
+    rows = None if not (sampler.params.penalized or sampler.constraint is not None) else sampler.probs(target_logits, drafted)
     for i in range(len(drafted) + 1):
         probs = rows[i:i + 1] if rows is not None else sampler.probs(target_logits[i:i + 1])
         token = int(sampler.draw(probs, i)[0])

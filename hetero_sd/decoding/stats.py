@@ -49,6 +49,7 @@ class Stats:
     switches: list[list] = field(default_factory=list)  # [generated tokens so far, "plain"|"speculative", size]
     controller: dict | None = None  # the controller's costs, corrections and probes (block size "auto")
     current_size: int = 0  # the latest step's size (1: plain), for live views
+    constrained: dict | None = None  # under a grammar: its kind, masks computed, their seconds, drafts cut (constrained.py)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
