@@ -33,7 +33,7 @@ def random_rows(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 def isa_switch(monkeypatch, kernel):
     """use(name): the kernels of `kernel` (quant, quant8) built from then on take this ISA
-    (LoadPolicy.quant_isa, as the weight plan passes it)."""
+    (the AVX2 kernel on an AVX-512 CPU is the code an AVX2-only CPU runs)."""
     choose = kernel.isa
 
     def use(name):

@@ -190,8 +190,8 @@ class Acceptance:
     def conditional(self, shrink: float = 0.0) -> list[float]:
         """Conditional rates where there is evidence (the next generations' prior), each shrunk towards the
         position before it (1/2 for position 1) by `shrink` steps' worth: a prior drawn from one block must
-        not weigh what one drawn from a hundred does. (A bench's 8-token warm-up drafted one block, which
-        failed: the raw rate 0 at full weight kept a whole HumanEval run plain, 0.98x; 12th session.)"""
+        not weigh what one drawn from a hundred does (a warm-up that drafted one failed block would otherwise keep
+        a whole run plain)."""
         self.settle()
         out, previous = [], 0.5
         for a, r in zip(self.accepted, self.reached):

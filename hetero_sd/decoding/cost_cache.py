@@ -21,10 +21,8 @@ from .costs import Costs, cpu_name, measure_costs
 from hetero_sd.home import home
 
 FORMAT = 2  # 2: sizes 3, 6, 12, 24 measured too, every call timed in interleaved rounds
-# Verify costs are not linear in k between 2 and 4: on the 2-core Zen 5 a verify of 3 took ~3.2 ms in the loop,
-# where a line through 2 and 4 said 3.6, and the controller took blocks of 3 less often than they paid (HumanEval:
-# auto 1.17-1.20x, fixed blocks of 3 1.28-1.37x, 27 Nov, under costs probed in a slow minute). Against format 1,
-# each run probing afresh: within the VM's noise (benchmarks/results/costs_probe_zen5/)
+# Verify costs are not linear in k between 2 and 4: on the 2-core Zen 5 a verify of 3 took ~3.2 ms in the loop
+# where a line through 2 and 4 said 3.6, so a controller that interpolated took blocks of 3 less often than they paid.
 BLOCKS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 

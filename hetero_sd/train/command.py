@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
                    help="weight of distillation from the target's distribution (its top-k per position)")
     t.add_argument("--soft-top-k", type=int, default=32)
     t.add_argument("--minutes", type=float,
-                   help="a wall-clock budget (e.g. a lent GPU's): the learning-rate cosine runs over it instead of "
+                   help="a wall-clock budget (e.g. a rented GPU's): the learning-rate cosine runs over it instead of "
                         "--steps, and training ends with a save when it is spent")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--held-out", type=int, default=24,
