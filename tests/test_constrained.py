@@ -198,3 +198,17 @@ def test_constrained_samples_follow_the_masked_target_distribution(rt, folders, 
     p = chi_square_p(samples, joint)
     assert p > P_MIN, f"constrained samples do not follow the masked target distribution (chi-square p = {p:.2e})"
     assert 0 < totals["accepted"] < totals["drafted"]  # both branches of the rule ran
+
+
+def test_generate_command_takes_a_json_schema_file(folders, tmp_path, capsys):
+    from hetero_sd.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS["flat"]))
+    args = ["generate", "Describe the order as JSON.", "--target", str(folders[0]), "--draft", str(folders[1]),
+            "--block-size", "fixed", "--max-new-tokens", "96", "--json-schema", str(schema)]
+    assert main(args) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMAS["flat"])
+    schema.write_text("[1]")
+    assert main(args) != 0
+    assert "--json-schema" in capsys.readouterr().err

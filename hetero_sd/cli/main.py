@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
@@ -84,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", help="write the generation and its stats to this file")
     g.add_argument("--schedule", default="sequential", help="sequential or overlap")
     g.add_argument("--trace", help="write a Chrome trace of the generation here")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file the reply must follow (enforced on the "
+                   "target's distribution by a grammar: lossless with the draft; docs/server-agents.md)")
 
     b = sub.add_parser("bench", help="baseline vs speculative decoding on the same prompts")
     add_model_args(b, "default")
@@ -179,6 +182,7 @@ def check_args(args) -> None:
         one_request_schedule(args.schedule)
     if args.command == "generate":
         conflicts(args)
+        args.schema = json_schema_file(args.json_schema)
     for flag in ("json", "trace"):
         if getattr(args, flag, None) is not None:  # an empty name is refused, not taken as "no file"
             validate.output_file(getattr(args, flag), f"--{flag}")
@@ -204,6 +208,26 @@ def conflicts(args) -> None:
                                            f"{flag} feeds", f"drop {flag}, or drop --no-chat")
 
 
+def json_schema_file(path: str | None):
+    """--json-schema FILE, read and parsed before any model loads (None: no schema)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgumentError(f"--json-schema {path} cannot be read ({getattr(e, 'strerror', None) or e})",
+                                   "pass a JSON schema file that exists") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"--json-schema {path} is not valid JSON ({e.msg} at line {e.lineno})",
+                                   'write a JSON schema object, e.g. {"type": "object"}') from None
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError(f"--json-schema {path} holds a {type(schema).__name__}, not a JSON schema object",
+                                   'write a JSON schema object, e.g. {"type": "object"}')
+    return schema
+
+
 def one_request_schedule(schedule: str) -> None:
     from hetero_sd.runtime import check_schedule
 
@@ -222,7 +246,7 @@ def cmd_generate(args) -> None:
     stats, ids = None, []
     try:
         for event in rt.stream(args.prompt, chat=not args.no_chat, speculative=not args.autoregressive,
-                               schedule=args.schedule, **sampling(args)):
+                               schedule=args.schedule, json_schema=args.schema, **sampling(args)):
             sys.stdout.write(event.text)
             sys.stdout.flush()
             stats, ids = event.stats, ids + event.token_ids
