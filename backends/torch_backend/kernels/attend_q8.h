@@ -91,8 +91,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8tiles(const
   store_tiles16<RG, TB>(f, t, scale, n, s, mx);
 }
 
-// tiles at once: enough independent chains for a lone row, within the 32 registers for six (measured on the
-// 2-core Zen 5 for 12 rows x 512 keys: 6 rows x 2 tiles 1.2 us, 4 x 2 1.3, 4 x 4 1.7, the float K's 3.3)
+// tiles at once: enough independent chains for a lone row, within the 32 registers for six (12 rows x 512 keys
+// on the 2-core Zen 5: 1.2 us, the float K's scores 3.3)
 template <int D, int RG>
 static void q8tiles_rows(const QueryQ8* const* q, const uint8_t* kt, int64_t tiles, float scale, const int64_t* n,
                          float* const* s, float* const* mx, Ahead* ahead) {
