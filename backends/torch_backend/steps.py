@@ -137,6 +137,16 @@ class Slots:
         return tier(need, allocated)
 
 
+def host_rows(shape: tuple, device: torch.device) -> torch.Tensor:
+    """A host buffer for a step's inputs: pinned for a CUDA device, so the copy is asynchronous (the caching host
+    allocator hands the block out again only once the copy that read it has run), pageable elsewhere."""
+    return torch.empty(shape, dtype=torch.long, pin_memory=device.type == "cuda")
+
+
+def to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
+    dst.copy_(host, non_blocking=host.is_pinned())
+
+
 class TargetSteps:
     """A torch target's decode and verify steps at fixed shapes, head and context features included. `inputs`
     row 0: the token ids, row 1: their positions (= cache slots), written from the host in one copy a step."""
@@ -154,11 +164,11 @@ class TargetSteps:
         count = len(token_ids)
         rows = bucket(count)
         t = self.slots.prepare(start + rows, start + rows)
-        host = torch.empty(2, rows, dtype=torch.long)
+        host = host_rows((2, rows), self.inputs.device)
         host[0, :count] = torch.as_tensor(list(token_ids))
         host[0, count:] = host[0, count - 1]  # padding: any valid id
         host[1] = torch.arange(start, start + rows)
-        self.inputs[:, :rows].copy_(host)
+        to_device(self.inputs[:, :rows], host)
         logits, features = self.runner.run((rows, t), lambda: self.step(rows, t))
         return logits[:count].clone(), None if features is None else features[:count].clone()
 
@@ -187,12 +197,12 @@ class DraftSteps:
         """The final-normed hidden states [size-1, H] of the block [anchor, mask, ...] of `rows` rows and their
         float32 logits through the draft's head, its anchor at RoPE `position` and in cache slot `start` (copies)."""
         t = self.slots.prepare(start + rows, position + rows)
-        host = torch.empty(3, rows, dtype=torch.long)
+        host = host_rows((3, rows), self.inputs.device)
         host[0] = mask_token
         host[0, 0] = anchor
         host[1] = torch.arange(position, position + rows)
         host[2] = torch.arange(start, start + rows)
-        self.inputs[:, :rows].copy_(host)
+        to_device(self.inputs[:, :rows], host)
         hidden, logits = self.runner.run(("block", rows, size, t), lambda: self.block_step(rows, size, t))
         return hidden.clone(), logits.clone()
 
@@ -216,7 +226,9 @@ class DraftSteps:
         rows = bucket(count)
         self.slots.prepare(start + rows, start + rows)
         self.features[:count].copy_(features.to(self.features.dtype))
-        self.inputs[2, :rows].copy_(torch.arange(start, start + rows))
+        host = host_rows((rows,), self.inputs.device)
+        host[:] = torch.arange(start, start + rows)
+        to_device(self.inputs[2, :rows], host)
         self.runner.run(("context", rows), lambda: self.context_step(rows))
 
     def context_step(self, rows: int) -> tuple:
