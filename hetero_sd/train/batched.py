@@ -56,20 +56,19 @@ class BatchedGenerator:
 
     def __init__(self, folder: Path, *, slots: int = 48, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
                  stop_ids: Iterable[int] = (), dtype: torch.dtype = torch.float32, numerics: str = FLOAT32,
-                 fused: bool = True, k_q8: bool = True):
-        """fused=False: the int8 plan on torch's ops (the slower path before the slot kernels; comparisons).
-        k_q8=False: the int8 plan's K cache in float16 where the runtime's default keeps q8_0 blocks (the runtime
+                 k_q8: bool = True):
+        """k_q8=False: the int8 plan's K cache in float16 where the runtime's default keeps q8_0 blocks (the runtime
         loaded with HETERO_SD_KV=float16); `self.k_q8` says which one the answers come from."""
         cfg = ArchConfig.from_dict(read_json(folder / "config.json"))
         self.cfg, self.slots, self.max_new, self.max_prompt = cfg, slots, max_new_tokens, max_prompt_tokens
         self.stop = set(stop_ids) or set(cfg.eos_token_ids)
         self.dtype, self.notes = dtype, []
-        planned = self.plan(folder, cfg, dtype, numerics, fused, k_q8)
+        planned = self.plan(folder, cfg, dtype, numerics, k_q8)
         self.model = build_target(cfg, load_weights(folder), folder, "cpu", dtype, planned)
         plan = self.model.plan
         # slots on the runtime's fused kernels: one C++ call per decode step (int8 rows need every row's bits alone)
         self.fused = numerics == INT8 and plan.fused and plan.attend
-        if numerics == INT8 and fused and not self.fused:
+        if numerics == INT8 and not self.fused:
             self.notes.append("batched int8 generation on torch's ops: the fused C++ attention is not available here "
                               f"({'; '.join(plan.notes) or 'no AVX2+FMA'}), so answers may part from the runtime's at near-ties")
         self.kv_dtype = (plan.kv_dtype or dtype) if self.fused else dtype
@@ -80,15 +79,14 @@ class BatchedGenerator:
         self.cos, self.sin = Rope(cfg, "cpu", dtype).at(0, self.positions)
 
     @staticmethod
-    def plan(folder: Path, cfg: ArchConfig, dtype: torch.dtype, numerics: str, fused: bool = True, k_q8: bool = True):
+    def plan(folder: Path, cfg: ArchConfig, dtype: torch.dtype, numerics: str, k_q8: bool = True):
         """The weight plan the generator loads the target with (plan.py), known before any weight loads."""
         if numerics == INT8:
             gguf = converted_from(folder)
             if gguf is None:
                 raise ConfigError(f"int8 data generation needs a target converted from a Q4_1/Q8_0 GGUF; {folder} "
                                   "is not one", "use --dtype float32, or the GGUF target")
-            policy = replace(BLOCKS, k_q8=k_q8) if fused else LoadPolicy(fused=False, gemm=False, origin="batched data generation")
-            return plan_target(cfg, gguf, "cpu", torch.float32, INT8, policy, cpu_flags())
+            return plan_target(cfg, gguf, "cpu", torch.float32, INT8, replace(BLOCKS, k_q8=k_q8), cpu_flags())
         return plan_target(cfg, None, "cpu", dtype, FLOAT32, PLAIN, frozenset())
 
     @staticmethod
