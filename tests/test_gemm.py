@@ -31,7 +31,7 @@ def test_rows_do_not_depend_on_the_block():
     for size in (2, 3, 5, 8, 9, 13):
         assert torch.equal(packed(x[:size]), full[:size])
     assert torch.equal(packed(x[3:5]), full[3:5])
-    assert torch.equal(packed(x[:1]), x[:1] @ w)  # one row: MKL's GEMV (decode), as before the kernel
+    assert torch.equal(packed(x[:1]), x[:1] @ w)  # one row: MKL's GEMV (decode), torch's own result
     long = torch.randn(gemm.MAX_ROWS + 1, 576)
     assert torch.equal(packed(long), long @ w)  # a prefill: MKL
 

@@ -4,7 +4,7 @@
 // x 512 keys x 64 dims, twice), not by its bytes; the scores' half as int8 x int8 dot products (vpdpbusd: 64
 // multiply-adds an instruction, a float fma 16) took 0.36x the time of the float scores in a C++ loop (12 rows x
 // 512 keys on the 2-core Zen 5: 1.2 vs 3.3 us), the whole op 0.83-0.87x at 8-16 rows (benchmarks/attend_rows.py).
-// V stays float16, the weights and values stages float32, as before.
+// V stays float16, the weights and values stages float32, as with a float K.
 //
 // Numerics, as llama.cpp's q8_0 K cache: each key's D values (after RoPE) in blocks of 32, codes round(x * 127 /
 // amax) (to nearest even) and a scale amax / 127 rounded to float16; each query quantized the same way when it is
