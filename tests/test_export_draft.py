@@ -272,9 +272,10 @@ def test_gguf_export_needs_a_gguf_name(shipped_folder, tmp_path):
 
 # --- MLX --------------------------------------------------------------------------------------------------
 
-def test_mlx_export_loads_in_zlabs_mlx_reader(trained, tmp_path, monkeypatch):
+def test_mlx_export_loads_in_zlabs_mlx_reader(trained, tiny_llama, tmp_path, monkeypatch):
     """z-lab's dflash.model_mlx.load_draft (mx.load of every *.safetensors, strict load_weights): every tensor
-    is one of its parameters and every parameter is given, with our values."""
+    is one of its parameters and every parameter is given, with our values; bound to the target's embedding
+    and head and run in float32 on the same context features, its first block is our runtime's."""
     zm = pytest.importorskip("dflash.model_mlx", reason="z-lab's MLX reader needs mlx (pip install mlx)")
     import numpy as np
     from mlx.utils import tree_flatten
@@ -291,6 +292,27 @@ def test_mlx_export_loads_in_zlabs_mlx_reader(trained, tmp_path, monkeypatch):
     config = json.loads((out / "config.json").read_text())
     assert model.config.block_size == config["block_size"] and list(model.config.target_layer_ids) == \
         config["dflash_config"]["target_layer_ids"]
+
+    from transformers import AutoModelForCausalLM
+
+    mx, mnn = zm.mx, zm.nn
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    embed, head = hf.get_input_embeddings().weight.detach(), hf.lm_head.weight.detach()
+    target = types.SimpleNamespace(embed_tokens=mnn.Embedding(*embed.shape), lm_head=mnn.Linear(
+        head.shape[1], head.shape[0], bias=False))
+    target.embed_tokens.weight, target.lm_head.weight = mx.array(embed.numpy()), mx.array(head.numpy())
+    model.set_dtype(mx.float32)
+    model.bind(target)
+    theirs, ours = first_block(tiny_llama, trained, PROMPT)  # z-lab's torch model and our runtime
+    with torch.inference_mode():
+        out_hf = hf(torch.tensor([PROMPT]), output_hidden_states=True)
+    features = torch.cat([out_hf.hidden_states[i + 1] for i in model.config.target_layer_ids], -1)
+    anchor = int(out_hf.logits[0, -1].argmax())
+    block = mx.array([[anchor] + [model.config.mask_token_id] * (model.config.block_size - 1)])
+    mlx_logits = torch.from_numpy(np.array(model(block, mx.array(features.numpy()), model.make_cache(),
+                                                 logits_start=1)[0]))
+    assert_same_proposals(theirs, mlx_logits)
+    assert_same_proposals(mlx_logits, ours)
 
 
 # --- vLLM, SGLang, dflash-mlx: their loaders' names and keys ------------------------------------------------
