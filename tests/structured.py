@@ -69,6 +69,7 @@ def json_tokenizer(folder: Path, template: str | None = QWEN_TEMPLATE) -> None:
 
 
 def make_json_target(folder: Path, seed: int = 0, template: str | None = QWEN_TEMPLATE, **overrides) -> Path:
+    overrides.setdefault("max_position_embeddings", 4096)  # Qwen's tools preamble is ~800 byte-level tokens
     make_tiny_target(folder, "qwen2", vocab_size=VOCAB, seed=seed, tie_word_embeddings=True, **overrides)
     json_tokenizer(folder, template)
     return folder

@@ -268,7 +268,7 @@ def test_full_queue_answers_429(runtime):
 @pytest.mark.parametrize("body, status, param", [
     (b'{"messages": [', 400, None),  # malformed JSON
     (b'[1, 2]', 400, None),
-    ({"messages": PROMPT, "tools": [], "logprobs": True}, 400, "tools"),  # unknown / unsupported fields
+    ({"messages": PROMPT, "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),  # unknown / unsupported fields
     ({"messages": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"messages": PROMPT, "temperature": "0.5"}, 400, "temperature"),  # no coercion
     ({"messages": PROMPT, "top_p": 0}, 400, "top_p"),

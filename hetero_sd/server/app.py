@@ -16,11 +16,11 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import errors, limits
+from . import anthropic, errors, limits, tools
 from .engine import Engine, Job, Outcome
 from .errors import ApiError
 from .metrics import Metrics
-from .prompt import chat_prompt, completion_prompt
+from .prompt import completion_prompt
 from .schema import ChatRequest, CompletionRequest, Sampling
 
 
@@ -89,13 +89,14 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatRequest, request: Request):
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await complete(request, body, "chat", lambda: chat_prompt(runtime, body), max_tokens)
+        plan = tools.ChatPlan(runtime, body)  # tools, tool_choice and response_format (tools.py)
+        return await complete(request, body, "chat", plan.prompt, max_tokens, plan)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request):
         return await complete(request, body, "text", lambda: completion_prompt(runtime, body), body.max_tokens)
 
-    async def complete(request: Request, body: Sampling, kind: str, prompt, max_tokens: int | None):
+    async def complete(request: Request, body: Sampling, kind: str, prompt, max_tokens: int | None, plan=None):
         if body.model not in (None, settings.model_name, "default"):
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                                 f"{settings.model_name!r}", "model", "model_not_found")
@@ -104,6 +105,7 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
         def start() -> tuple[Job, list[int]]:  # tokenizing and the runtime's checks, off the event loop
             ids = prompt()
             options = sampling_options(runtime, body, settings, len(ids), max_tokens)
+            options.update(plan.options if plan is not None else {})  # a grammar the reply must follow
             return engine.admit(ids, options, body.stops(), loop, not body.ignore_eos), ids
 
         try:
@@ -115,12 +117,13 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
             api = errors.from_hetero(e)
             metrics.error(api.status)
             raise api from None
-        reply = Reply(kind, settings.model_name, len(ids), runtime)
+        reply = Reply(kind, settings.model_name, len(ids), runtime, plan.calls if plan is not None else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSE(reply.sse(job, include_usage), job)
         return JSONResponse(await reply.whole(job, request))
 
+    anthropic.install(app, runtime, settings, engine, metrics, sampling_options)  # /v1/messages
     return app
 
 
@@ -169,8 +172,9 @@ class SSE(StreamingResponse):
 class Reply:
     """OpenAI's response objects for one request: a whole completion, or its stream of chunks."""
 
-    def __init__(self, kind: str, model: str, prompt_tokens: int, runtime):
+    def __init__(self, kind: str, model: str, prompt_tokens: int, runtime, calls=None):
         self.kind, self.model, self.prompt_tokens, self.runtime = kind, model, prompt_tokens, runtime
+        self.calls = calls  # tools.CallParser: the reply's tool calls parsed out of its text (None: text only)
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
@@ -192,7 +196,10 @@ class Reply:
                 "target_device": info.get("target_device"), "block_size": s.block_size,
                 "block_size_histogram": {str(k): v for k, v in s.block_size_histogram.items()},
                 "drift": s.drift.to_dict() if s.drift else None, "fallback": s.fallback,
-                "tokens_per_s": s.tokens_per_s, "ttft_s": s.ttft_s}
+                "tokens_per_s": s.tokens_per_s, "ttft_s": s.ttft_s, "constrained": s.constrained}
+
+    def finish(self, reason: str) -> str:
+        return "tool_calls" if self.calls is not None and self.calls.calls and reason == "stop" else reason
 
     def choice(self, text: str, finish: str | None, stream: bool) -> dict:
         if self.kind == "text":
@@ -217,8 +224,13 @@ class Reply:
         finally:
             watcher.cancel()
         fail(outcome)
-        return self.envelope([self.choice("".join(pieces), outcome.reason, False)], False,
-                             usage=self.usage(outcome), speculative=self.speculative(outcome))
+        choice = self.choice("".join(pieces), outcome.reason, False)
+        if self.calls is not None:
+            content, self.calls.calls = self.calls.split("".join(pieces))
+            choice["message"] = {"role": "assistant", "content": content or None,
+                                 "tool_calls": [c.openai() for c in self.calls.calls] or None}
+            choice["finish_reason"] = self.finish(outcome.reason)
+        return self.envelope([choice], False, usage=self.usage(outcome), speculative=self.speculative(outcome))
 
     async def sse(self, job: Job, include_usage: bool):
         if self.kind == "chat":  # the role first, as OpenAI does
@@ -227,14 +239,20 @@ class Reply:
             yield data(self.envelope([first], True))
         async for kind, value in job.items():
             if kind == "text":
-                yield data(self.envelope([self.choice(value, None, True)], True))
+                for delta in (self.calls.feed(value) if self.calls is not None else [None]):
+                    chunk = self.choice(value, None, True)
+                    if delta is not None:
+                        chunk["delta"] = delta
+                    yield data(self.envelope([chunk], True))
                 continue
             outcome: Outcome = value
+            for delta in (self.calls.finish() if self.calls is not None else []):  # what the parser held
+                yield data(self.envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], True))
             if outcome.reason in ("error", "cancelled"):
                 error = failure(outcome)
                 yield data(errors.body(error.status, error.message, error.param, error.code))
             else:
-                yield data(self.envelope([self.choice("", outcome.reason, True)], True, usage=self.usage(outcome),
+                yield data(self.envelope([self.choice("", self.finish(outcome.reason), True)], True, usage=self.usage(outcome),
                                          speculative=self.speculative(outcome)))
                 if include_usage:
                     yield data(self.envelope([], True, usage=self.usage(outcome)))

@@ -28,6 +28,7 @@ class Outcome:
     stats: object = None
     tokens: int = 0  # generated tokens consumed (up to the stop string, when one ended it)
     error: BaseException | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(eq=False)  # hashed by identity (the engine keeps a set of them)
@@ -118,7 +119,7 @@ class Engine:
                     if piece:
                         job.put(("text", piece))
                     if text.stopped:
-                        outcome = Outcome("stop")
+                        outcome = Outcome("stop", stop_sequence=text.matched)
                         break
                     if job.cancelled.is_set():
                         outcome = Outcome("cancelled")

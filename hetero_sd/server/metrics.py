@@ -32,6 +32,22 @@ class Metrics:
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                         "Drafted tokens accepted at each block position (0: first draft)",
                                         names + ["position"], registry=r)
+        # the same counters split by output: "constrained" (a JSON schema, json_object or a forced tool call:
+        # decoding/constrained.py) or "free" text, and the grammar's own cost
+        split = names + ["output"]
+        self.output_requests = Counter(P + "output_requests", "Requests finished, by output (constrained or free)",
+                                       split, registry=r)
+        self.output_tokens = Counter(P + "output_generation_tokens", "Tokens generated, by output", split, registry=r)
+        self.output_drafts = Counter(P + "output_spec_decode_num_drafts", "Verified draft blocks, by output", split,
+                                     registry=r)
+        self.output_draft_tokens = Counter(P + "output_spec_decode_num_draft_tokens", "Drafted tokens verified, by "
+                                           "output", split, registry=r)
+        self.output_accepted = Counter(P + "output_spec_decode_num_accepted_tokens", "Drafted tokens accepted, by "
+                                       "output", split, registry=r)
+        self.grammar_masks = Counter(P + "grammar_masks", "Grammar masks computed (rows of constrained blocks)", names,
+                                     registry=r)
+        self.grammar_mask_seconds = Counter(P + "grammar_mask_seconds", "Seconds spent computing grammar masks", names,
+                                            registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", names,
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, admission to last token", names,
@@ -51,6 +67,16 @@ class Metrics:
         for accepted in stats.accepted_per_step:
             for pos in range(accepted):
                 self.accepted_per_pos.labels(**m, position=str(pos)).inc()
+        grammar = getattr(stats, "constrained", None)
+        kind = {**m, "output": "constrained" if grammar is not None else "free"}
+        self.output_requests.labels(**kind).inc()
+        self.output_tokens.labels(**kind).inc(stats.num_generated_tokens)
+        self.output_drafts.labels(**kind).inc(stats.num_drafts)
+        self.output_draft_tokens.labels(**kind).inc(stats.num_draft_tokens)
+        self.output_accepted.labels(**kind).inc(stats.num_accepted_tokens)
+        if grammar is not None:
+            self.grammar_masks.labels(**m).inc(grammar.get("masks", 0))
+            self.grammar_mask_seconds.labels(**m).inc(grammar.get("mask_s", 0.0))
         if ttft_s is not None:
             self.ttft.labels(**m).observe(ttft_s)
         self.e2e.labels(**m).observe(latency_s)

@@ -9,6 +9,7 @@ class StopText:
         self.stops = [s for s in stops if s]
         self.held = ""  # text received but not yet released
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def feed(self, text: str) -> str:
         """Add new text; return what is safe to send now. After a stop string: nothing more (the stop
@@ -22,6 +23,7 @@ class StopText:
         hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
+            self.matched = min((i, s) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0)[1]
             out, self.held = self.held[:min(hits)], ""
             return out
         keep = self.partial_suffix()
