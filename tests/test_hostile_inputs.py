@@ -138,6 +138,7 @@ def test_bench_refuses_ignored_flags(tiny_llama, tiny_draft, tmp_path, capsys, e
 @pytest.mark.parametrize("extra, says", [(["--served-model-name", ""], "--served-model-name is empty"),
                                          (["--served-model-name", "  "], "--served-model-name is empty"),
                                          (["--host", "not a host!"], "--host 'not a host!'"),
+                                         (["--api-key", ""], "--api-key is empty"),
                                          (["--temperature", "1e308"], "above 2")])
 def test_serve_refuses_before_the_model_loads(tiny_llama, tiny_draft, extra, says):
     """In a child process: today's alternative is a server that loads and then runs (or fails) on its own."""

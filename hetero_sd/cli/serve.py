@@ -17,7 +17,8 @@ from .common import err, load_runtime
 def add_parser(sub, add_model_args, add_sampling_args) -> None:
     """The model, device, schedule and dtype flags are generate's (passed in from main.py); the sampling
     flags set the defaults for fields a request leaves out."""
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, SSE, metrics)")
+    s = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server (chat and text completions, "
+                       "/v1/messages, tool calls, JSON-schema output, SSE, metrics)")
     add_model_args(s, "default")
     add_sampling_args(s, 256)
     s.add_argument("--schedule", default="sequential", help="sequential or overlap")
@@ -42,6 +43,10 @@ def add_parser(sub, add_model_args, add_sampling_args) -> None:
                         f"response (default {HEADER_TIMEOUT_S:g}); then it is closed (408 if a request had begun)")
     s.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
                    help=f"seconds a request body may pause between bytes (default {BODY_TIMEOUT_S:g}); then 408")
+    s.add_argument("--tool-call-format", choices=["auto", "hermes", "llama3_json"], default="auto",
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen-family), "
+                        "llama3_json (bare {\"name\", \"parameters\"}), or auto: read from the chat template "
+                        "(docs/server-agents.md)")
     s.add_argument("--keep-alive-timeout", type=float, default=KEEP_ALIVE_S,
                    help=f"seconds an idle connection is kept open between requests (default {KEEP_ALIVE_S:g})")
 
@@ -65,6 +70,9 @@ def check(args) -> None:
         if not (math.isfinite(seconds) and seconds > 0):
             raise InvalidArgumentError(f"{flag} must be a finite number of seconds > 0, got {seconds}",
                                        f"pass e.g. {flag} 30")
+    if args.api_key is not None and not args.api_key.strip():  # else the server would run with no key at all
+        raise InvalidArgumentError("--api-key is empty", "give the key clients must send, or leave --api-key out "
+                                                         "(then $HETERO_SD_API_KEY, else no key)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise InvalidArgumentError("--served-model-name is empty", "give the model id clients send, or leave it out "
                                                                    "(the target's name)")
@@ -100,7 +108,7 @@ def cmd_serve(args) -> int:
                         args.max_new_tokens, dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                   seed=args.seed, rule=args.rule),
                         prefix_cache=not args.no_prefix_cache, max_body_bytes=args.max_body_bytes,
-                        body_timeout=args.body_timeout)
+                        body_timeout=args.body_timeout, tool_format=args.tool_call_format)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "
