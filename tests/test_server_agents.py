@@ -250,3 +250,17 @@ def test_metrics_split_constrained_and_free(client, live):
         assert line and float(line[0].split()[-1]) >= 1
     masks = [l for l in text.splitlines() if l.startswith("hetero_sd:grammar_masks_total")]
     assert masks and float(masks[0].split()[-1]) > 0
+
+
+def test_the_server_can_be_told_the_tool_call_format(runtime):
+    """--tool-call-format llama3_json: a forced call is a bare JSON object with "parameters", parsed as such."""
+    server = Live(runtime, tool_format="llama3_json")
+    try:
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=96, tools=[WEATHER],
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and r.choices[0].message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    finally:
+        server.stop()

@@ -223,7 +223,7 @@ def install(app, runtime, settings, engine, metrics, sampling_options) -> None:
     async def count_tokens(request: Request):
         try:
             body = await parsed(request, CountRequest)
-            plan = ChatPlan(runtime, chat_request(body))
+            plan = ChatPlan(runtime, chat_request(body), settings.tool_format)
             ids = await anyio.to_thread.run_sync(plan.prompt)
         except ApiError as e:
             metrics.error(e.status)
@@ -236,7 +236,7 @@ def install(app, runtime, settings, engine, metrics, sampling_options) -> None:
         try:
             body = await parsed(request, MessagesRequest)
             chat = chat_request(body)
-            plan = ChatPlan(runtime, chat)
+            plan = ChatPlan(runtime, chat, settings.tool_format)
 
             def start():
                 ids = plan.prompt()

@@ -37,6 +37,7 @@ class Settings:
     prefix_cache: bool = True  # a new turn reuses the caches of the conversation so far (Runtime.prefix_cache)
     max_body_bytes: int = limits.MAX_BODY_BYTES  # a larger request body is answered 413, unread (limits.py)
     body_timeout: float = limits.BODY_TIMEOUT_S  # seconds a request body may pause before a 408
+    tool_format: str = "auto"  # how the model writes tool calls: "auto" (from its chat template), "hermes", "llama3_json"
 
 
 def model_name(runtime) -> str:
@@ -89,7 +90,7 @@ def create_app(runtime, settings: Settings | None = None, close_runtime: bool = 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatRequest, request: Request):
         max_tokens = body.max_completion_tokens or body.max_tokens
-        plan = tools.ChatPlan(runtime, body)  # tools, tool_choice and response_format (tools.py)
+        plan = tools.ChatPlan(runtime, body, settings.tool_format)  # tools, tool_choice, response_format (tools.py)
         return await complete(request, body, "chat", plan.prompt, max_tokens, plan)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])

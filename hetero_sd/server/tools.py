@@ -197,6 +197,7 @@ class ChatPlan:
 
     runtime: object
     body: ChatRequest
+    tool_format: str = "auto"  # the server's --tool-call-format: "auto" reads the template
     options: dict = field(default_factory=dict)  # json_schema= / grammar= for Runtime.stream
     calls: CallParser | None = None
     constrained: bool = False
@@ -221,6 +222,8 @@ class ChatPlan:
                 return ids
         template = rt.tokenizer.chat_template
         fmt = tool_format(template if isinstance(template, str) else None)
+        if self.tool_format != "auto" and template and "tools" in template:
+            fmt = self.tool_format  # the server was told how this model writes its calls
         if fmt is None:
             raise ApiError(400, "this model's chat template does not render tools (no tool-call format found in it); "
                                 "serve a model whose template has tools, or send no tools", "tools" if body.tools
