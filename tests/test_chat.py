@@ -71,7 +71,7 @@ def test_panel_and_transcript(tiny_llama, tiny_draft):
     text = panel_text(stats, rt.info, Baseline(10.0, 512), {"schedule": "sequential", "temperature": 0.0}).plain
     assert "tau" in text and "target" in text
     assert f"speedup   {stats.tokens_per_s / 10.0:.2f}x" in text  # the answer's rate over the baseline's
-    assert "AR, 512 tok, at load" in text  # which baseline it is
+    assert "AR, 512 tokens, at load" in text  # which baseline it is
     assert bars([0, 1, 2]) == " ▄█" and bars([0.0, 0.0]) == "  "
     chat = Conversation()
     chat.ask("hello")

@@ -83,7 +83,7 @@ def test_a_5000_token_per_s_stream_is_not_slowed_by_the_screen(tokenizer):
     run(scenario)
     assert min(ratios) <= 1.2, f"the answer took {ratios} x the runtime alone"
     # keys answered while it streamed: at once, and never a second later (the machine is shared)
-    assert len(answered) > 5 and statistics.median(answered) < 0.1 and max(answered) < 1.0, answered
+    assert len(answered) >= 3 and statistics.median(answered) < 0.1 and max(answered) < 1.0, answered
     reply, answer = app.answers[-1]
     assert app.last_stats.num_generated_tokens == 5000
     assert answer.text == tokenizer.decode(runtime.ids(0, 5000), skip_special_tokens=True)
@@ -93,7 +93,7 @@ def test_a_5000_token_per_s_stream_is_not_slowed_by_the_screen(tokenizer):
     assert f"tok/s     {app.last_stats.tokens_per_s:.1f}" in panel[0]
     assert app.baseline.tokens_per_s == pytest.approx(5000 / 4, rel=0.2)
     assert f"speedup   {app.last_stats.tokens_per_s / app.baseline.tokens_per_s:.2f}x" in panel[0]
-    assert "AR, 512 tok, at load" in panel[0]
+    assert "AR, 512 tokens, at load" in panel[0]
 
 
 def test_an_8k_token_answer_streams_and_keys_answer(tokenizer):

@@ -224,7 +224,8 @@ class ChatApp(App):
                          "change the settings (ctrl+o) and send again; the conversation is kept"))
         self.say(f"error: {problem}\nfix: {fix}", "error")
         box = self.query_one("#prompt", Input)
-        box.value = box.value or question  # nothing the user typed is lost
+        if not box.value:  # nothing the user typed is lost: the question comes back, the cursor after it
+            box.value, box.cursor_position = question, len(question)
         self.generating = False
         if self.quitting:
             self.quit_now(self.quitting)

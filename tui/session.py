@@ -132,7 +132,7 @@ class Baseline:
     tokens: int
 
     def describe(self) -> str:
-        return f"AR, {self.tokens} tok, at load"
+        return f"AR, {self.tokens} tokens, at load"
 
 
 def measure_baseline(runtime: Runtime, max_new_tokens: int = BASELINE_TOKENS) -> Baseline:
@@ -192,7 +192,7 @@ def panel_text(stats: Stats | None, info: dict, baseline: Baseline | None, setti
     def baseline_rows() -> None:
         row("baseline", f"{baseline.tokens_per_s:.1f} tok/s" if baseline else "measuring...")
         if baseline:
-            row("", baseline.describe(), "dim")
+            t.append(f"  {baseline.describe()}\n", "dim")  # which baseline: the speedup's denominator
 
     if stats is None:
         baseline_rows()
