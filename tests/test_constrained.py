@@ -212,3 +212,32 @@ def test_generate_command_takes_a_json_schema_file(folders, tmp_path, capsys):
     schema.write_text("[1]")
     assert main(args) != 0
     assert "--json-schema" in capsys.readouterr().err
+
+
+def test_a_dflash2_selector_under_a_grammar(folders, tmp_path):
+    """A DFlash2 draft's selector walks its own candidates (not masked rows): its proposals are cut at the first
+    forbidden token under greedy and match, and left to the rejection rule at T>0 (a forbidden draft has p = 0)."""
+    from . import reference_dflash as ref
+
+    pytest.importorskip("dflash", reason="z-lab's reference package builds the DFlash2 draft")
+    ref.make_reference_draft(tmp_path, dflash2=True, vocab=constrained_vocab(folders[0]))
+    rt2 = hetero_sd.load(str(folders[0]), str(tmp_path), block_size="fixed", cpu_threads=1)
+    try:
+        assert rt2.info["draft_format"].startswith("dflash2")
+        cut = 0
+        for schema in SCHEMAS.values():
+            want = plain(rt2, schema)
+            got = rt2.generate(MESSAGES, max_new_tokens=96, json_schema=schema)
+            assert got.token_ids == want.token_ids and got.stats.num_drafts > 0
+            cut += got.stats.constrained["cut_drafts"]
+            sampled = rt2.generate(MESSAGES, max_new_tokens=96, json_schema=schema, temperature=1.0, seed=3,
+                                   rule="rejection")
+            if sampled.stats.finish_reason == "stop":
+                jsonschema.validate(json.loads(sampled.text), schema)
+        assert cut > 0  # the selector did propose forbidden tokens, and they were cut
+    finally:
+        rt2.close()
+
+
+def constrained_vocab(folder) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
