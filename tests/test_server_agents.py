@@ -213,7 +213,7 @@ def test_anthropic_system_stop_sequences_and_errors(runtime, claude, live):
     with pytest.raises(anthropic.BadRequestError, match="thinking"):
         claude.messages.create(model="m", max_tokens=64, messages=ASK, thinking={"type": "enabled", "budget_tokens": 32})
     structured = claude.messages.create(model="m", max_tokens=64, messages=ASK,
-                                        output_config={"format": {"type": "json_schema", "schema": PERSON}})
+                                        extra_body={"output_config": {"format": {"type": "json_schema", "schema": PERSON}}})
     jsonschema.validate(json.loads(structured.content[0].text), PERSON)
     assert structured.model_extra["speculative"]["constrained"]["kind"] == "json_schema"
     count = claude.messages.count_tokens(model="m", messages=ASK, system="Be brief.")
