@@ -29,6 +29,7 @@ masked too); lookup blocks still run and are cut as above."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from hetero_sd.errors import InvalidArgumentError
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab, stops): LLTokenizer}
+_BUILDING = threading.Lock()  # a server's first constrained requests arrive together: one build
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, stop_ids) -> object:
@@ -52,14 +54,15 @@ def grammar_tokenizer(tokenizer, vocab_size: int, stop_ids) -> object:
     import llguidance.hf
 
     key = (vocab_size, tuple(sorted(stop_ids)))
-    per = _TOKENIZERS.setdefault(tokenizer, {})
-    if key not in per:
-        try:
-            per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(key[1]) or None)
-        except ValueError as e:
-            raise InvalidArgumentError(f"constrained output needs a fast (Rust) tokenizer ({e})",
-                                       "load a model whose folder has a tokenizer.json") from None
-    return per[key]
+    with _BUILDING:
+        per = _TOKENIZERS.setdefault(tokenizer, {})
+        if key not in per:
+            try:
+                per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(key[1]) or None)
+            except ValueError as e:
+                raise InvalidArgumentError(f"constrained output needs a fast (Rust) tokenizer ({e})",
+                                           "load a model whose folder has a tokenizer.json") from None
+        return per[key]
 
 
 def schema_grammar(schema) -> str:
