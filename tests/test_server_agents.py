@@ -157,19 +157,36 @@ def test_a_template_without_tools_refuses_them(tiny_llama, tiny_draft):
         rt.close()
 
 
+def accumulate(deltas: list[dict]) -> list[dict]:
+    """A streaming client's view: each call's name and arguments joined by index."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c["function"].get("name", "")
+            call["arguments"] += c["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
 def test_call_parsers_whole_and_streamed():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>' \
            '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
     content, calls = CallParser(HERMES).split(text)
     assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].arguments) == {"city": "Oslo", "unit": "c"}
-    for size in (1, 3, 7):
+    for size in (1, 3, 7, len(text)):
         parser, deltas = CallParser(HERMES), []
         for i in range(0, len(text), size):
             deltas += parser.feed(text[i:i + size])
         deltas += parser.finish()
         assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
-        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["get_weather", "get_time"]
+        streamed = accumulate(deltas)
+        assert streamed == [{"name": c.name, "arguments": c.arguments} for c in calls]
+        if size == 1:  # the arguments came in pieces, as the model wrote them
+            assert sum(1 for d in deltas if "tool_calls" in d) > 4
+    cut = CallParser(HERMES)  # a reply that ends inside a call: what it wrote of the arguments
+    deltas = cut.feed(text[:text.index('"unit"')]) + cut.finish()
+    assert accumulate(deltas)[0] == {"name": "get_weather", "arguments": '{"city": "Oslo",'}
     assert CallParser(HERMES, parallel=False).split(text)[1][0].name == "get_weather"
     assert len(CallParser(HERMES, parallel=False).split(text)[1]) == 1
     assert CallParser(HERMES).split("no <tool_call> here") == ("no <tool_call> here", [])

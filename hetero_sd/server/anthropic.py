@@ -323,7 +323,8 @@ class Reply:
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
         yield event("ping", {})
-        index, text_open, called = 0, False, False
+        # one content block open at a time: "text", or the index of the tool call being streamed
+        index, block, called = 0, None, False
         parser = self.plan.calls
         async for kind, value in job.items():
             if kind == "text":
@@ -332,28 +333,28 @@ class Reply:
                 outcome = value
                 deltas = parser.finish() if parser is not None else []
             for delta in deltas:
-                if "content" in delta:
-                    if not delta["content"]:
-                        continue
-                    if not text_open:
-                        yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                        text_open = True
-                    yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
-                                                                                   "text": delta["content"]}})
+                if "content" in delta and not delta["content"]:
                     continue
-                if text_open:
-                    yield event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
-                for call in delta["tool_calls"]:
-                    block = tool_use_from(call)
-                    yield event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                    yield event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": call["function"]["arguments"]}})
-                    yield event("content_block_stop", {"index": index})
-                    index, called = index + 1, True
+                for call in ([None] if "content" in delta else delta["tool_calls"]):
+                    wanted = "text" if call is None else call["index"]
+                    if block != wanted:
+                        if block is not None:
+                            yield event("content_block_stop", {"index": index})
+                            index += 1
+                        start = {"type": "text", "text": ""} if call is None else {
+                            "type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                            "name": call["function"]["name"], "input": {}}
+                        yield event("content_block_start", {"index": index, "content_block": start})
+                        block, called = wanted, called or call is not None
+                    if call is None:
+                        yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
+                                                                                       "text": delta["content"]}})
+                    elif call["function"].get("arguments"):
+                        yield event("content_block_delta", {"index": index, "delta": {
+                            "type": "input_json_delta", "partial_json": call["function"]["arguments"]}})
             if kind == "text":
                 continue
-            if text_open:
+            if block is not None:
                 yield event("content_block_stop", {"index": index})
             if outcome.reason in ("error", "cancelled"):
                 e = failure(outcome)
@@ -369,11 +370,6 @@ class Reply:
 def tool_use(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
             "input": json.loads(call.arguments)}
-
-
-def tool_use_from(call: dict) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}
 
 
 def failure(outcome) -> ApiError:

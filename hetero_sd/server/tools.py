@@ -60,8 +60,20 @@ class Call:
         return d if index is None else {"index": index, **d}
 
 
+# the start of a Hermes call's JSON up to its arguments' value (its first character seen, so that the space
+# before it is never taken for a part of it): what streaming needs to send the call's header
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def raw_arguments(body: str) -> str:
+    """The arguments' text of a call body that follows HEADER: up to the object's closing brace."""
+    body = body.rstrip()
+    return body[:-1].rstrip() if body.endswith("}") else body
+
+
 def parse_call(text: str, fmt: str) -> Call | None:
-    """One call's JSON (None: not a call of this format)."""
+    """One call's JSON (None: not a call of this format). The arguments keep the model's own text where it is
+    the arguments' JSON (as streaming sends it), else they are serialised."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
@@ -75,18 +87,30 @@ def parse_call(text: str, fmt: str) -> Call | None:
             args = json.loads(args)
         except json.JSONDecodeError:
             return None
+    header = HEADER.match(text) if fmt == HERMES else None
+    if header is not None:
+        raw = raw_arguments(text[header.end():])
+        try:
+            if json.loads(raw) == args:
+                return Call(obj["name"], raw)
+        except json.JSONDecodeError:
+            pass
     return Call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 class CallParser:
     """Splits a reply into text and calls, whole or as it streams. Streaming: text that could begin a call's
-    markup is held until the next piece shows whether it does; a call is sent as one delta once complete."""
+    markup is held until the next piece shows whether it does. A Hermes call whose JSON starts with its name
+    is streamed as OpenAI does: a delta with its id and name once the name is complete, then its arguments'
+    text as it comes (the tail that may be the call's closing brace held back); any other call is one delta
+    once complete. Llama 3 calls (the whole reply) come at the end."""
 
     def __init__(self, fmt: str, parallel: bool = True):
         self.fmt, self.parallel = fmt, parallel
         self.held = ""  # text not yet released
         self.calls: list[Call] = []
         self.started = False  # any text released (Llama 3: a reply that starts as text is text)
+        self.open: dict | None = None  # the call being streamed: its Call fields, where its arguments start, sent
 
     # -- whole replies
     def split(self, text: str) -> tuple[str, list[Call]]:
@@ -133,15 +157,27 @@ class CallParser:
                 if text:
                     deltas.append({"content": text})
                 return deltas
-            end = self.held.find(CLOSE, start)
-            if end < 0:
-                if start:
-                    deltas.append({"content": self.held[:start]})
-                    self.held = self.held[start:]
-                return deltas
-            call = parse_call(self.held[start + len(OPEN):end].strip(), HERMES)
             if start:
                 deltas.append({"content": self.held[:start]})
+                self.held = self.held[start:]
+            end = self.held.find(CLOSE)
+            if self.open is None and (self.parallel or not self.calls):
+                header = HEADER.match(self.held, len(OPEN))
+                if header is not None:  # the name is known: the call's header goes now
+                    self.open = {"call": Call(json.loads(f'"{header.group(1)}"'), ""), "args": header.end(), "sent": 0}
+                    self.calls.append(self.open["call"])
+                    deltas.append({"tool_calls": [self.open["call"].openai(len(self.calls) - 1)]})
+            if self.open is not None:
+                deltas += self.arguments(end)
+                if end < 0:
+                    return deltas
+                self.open = None
+                self.held = self.held[end + len(CLOSE):]
+                continue
+            if end < 0:
+                return deltas
+            start = 0
+            call = parse_call(self.held[len(OPEN):end].strip(), HERMES)
             if call is None:
                 deltas.append({"content": self.held[start:end + len(CLOSE)]})
             elif self.parallel or not self.calls:
@@ -149,8 +185,25 @@ class CallParser:
                 deltas.append({"tool_calls": [call.openai(len(self.calls) - 1)]})
             self.held = self.held[end + len(CLOSE):]
 
+    def arguments(self, end: int) -> list[dict]:
+        """The streamed call's arguments not sent yet: all of them once its closing tag is in (end >= 0), else up
+        to the last "}" (which may be the call's own closing brace)."""
+        o = self.open
+        avail = self.held[o["args"]:end] if end >= 0 else self.held[o["args"]:]
+        upto = len(raw_arguments(avail)) if end >= 0 else max(avail.rfind("}"), 0)
+        piece = avail[o["sent"]:upto]
+        if not piece:
+            return []
+        o["sent"] = upto
+        o["call"].arguments += piece
+        return [{"tool_calls": [{"index": self.calls.index(o["call"]), "function": {"arguments": piece}}]}]
+
     def finish(self) -> list[dict]:
         """The deltas of what was held at the end of the reply."""
+        if self.open is not None:  # the reply ended inside a streamed call (its length): what it wrote of it
+            deltas = self.arguments(len(self.held))
+            self.open, self.held = None, ""
+            return deltas
         held, self.held = self.held, ""
         if not held:
             return []
