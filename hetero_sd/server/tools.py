@@ -176,10 +176,9 @@ class CallParser:
                 continue
             if end < 0:
                 return deltas
-            start = 0
-            call = parse_call(self.held[len(OPEN):end].strip(), HERMES)
+            call = parse_call(self.held[len(OPEN):end].strip(), HERMES)  # held starts with the tag here
             if call is None:
-                deltas.append({"content": self.held[start:end + len(CLOSE)]})
+                deltas.append({"content": self.held[:end + len(CLOSE)]})
             elif self.parallel or not self.calls:
                 self.calls.append(call)
                 deltas.append({"tool_calls": [call.openai(len(self.calls) - 1)]})
