@@ -1,19 +1,22 @@
 """`hetero-sd chat`: a multi-turn chat that shows speculative decoding at work.
 
-Generation runs in a worker thread that never waits for the screen: each verified block goes into a queue
+All model work (loading, the baseline, every answer) runs on one engine thread, the only thread that runs
+torch: each thread that runs torch CPU work owns an OpenMP team, and a second team on the same cores
+throttles both (the default target on a 2-core CPU: ~240 tok/s from a second thread against ~970 from
+the one that loaded it). The engine never waits for the screen: each verified block goes into a queue
 (a put, never blocking), and a timer drains it FPS times a second, appending the new text to the answer
-(one chunk re-rendered, `answer_view.py`) and refreshing the panel PANEL_HZ times a second. The engine
-runs at its own speed whatever the tokens per second, and its stats' clock is the one the panel shows.
-Esc stops between two blocks and keeps what was generated."""
+(one chunk re-wrapped, `answer_view.py`) and refreshing the panel PANEL_HZ times a second. The engine runs
+at its own speed whatever the tokens per second, and its stats' clock is the one the panel shows. Esc
+stops between two blocks and keeps what was generated."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -27,7 +30,7 @@ from .session import (Answer, AnswerBuilder, Baseline, Conversation, measure_bas
                       save_transcript)
 from .settings import SettingsScreen
 
-FPS = 20  # screen updates per second while an answer streams
+FPS = 12  # screen updates per second while an answer streams (each one takes the GIL from the engine)
 PANEL_HZ = 4  # panel updates per second (its charts walk every step so far)
 FRAME_CHARS = 32768  # characters of new text a frame shows at most (wrapping them takes ~30 ms)
 SHOWN_QUESTION = 4000  # characters of a question echoed in the chat (all of it is sent and saved)
@@ -78,6 +81,7 @@ class ChatApp(App):
         self.quitting: str | None = None  # "save" or "quit" once the streaming answer has stopped
         self.show_sources = True
         self.answers: list[tuple[AnswerView, Answer]] = []
+        self.engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-sd-chat-engine")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (view, segments | Answer | Exception, stats)
         self.backlog: list = []  # taken from the inbox, not yet shown
         self.panel_at = 0.0
@@ -99,19 +103,26 @@ class ChatApp(App):
         self.set_interval(1 / FPS, self.drain)
         self.load_runtime()
 
+    def on_unmount(self) -> None:
+        self.stop_event.set()  # an answer still running ends at its next block; nothing new starts
+        self.engine.shutdown(wait=False, cancel_futures=True)
+
     # --- model loading -------------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="load")
     def load_runtime(self) -> None:
+        self.engine.submit(self.load_on_engine)
+
+    def load_on_engine(self) -> None:
         from hetero_sd.runtime import load
 
-        self.call_from_thread(self.set_ready, False, "Loading the model...")
+        ui = self.post_ui
+        ui(self.set_ready, False, "Loading the model...")
         try:
             if self.runtime is not None:
                 self.runtime.close()
             self.runtime = self.baseline = None
             self.runtime = (self.loader or load)(**self.load_kwargs)
-            self.call_from_thread(self.refresh_panel)
+            ui(self.refresh_panel)
             # before the prefix cache is on: the baseline's prompt is computed, as a first question's is
             self.baseline = measure_baseline(self.runtime, self.settings["max_new_tokens"])
             self.runtime.prefix_cache = True  # a new turn reuses the caches of the conversation so far
@@ -119,15 +130,19 @@ class ChatApp(App):
             problem, fix = ((e.problem, e.fix) if isinstance(e, HeteroSDError) else
                             (f"{type(e).__name__}: {e}", "check the model settings (ctrl+o)"))
             self.load_error = problem
-            self.call_from_thread(self.say, f"error: {problem}\nfix: {fix}", "error")
-            self.call_from_thread(self.set_ready, False, "Fix the model settings (ctrl+o) or quit (ctrl+q)")
+            ui(self.say, f"error: {problem}\nfix: {fix}", "error")
+            ui(self.set_ready, False, "Fix the model settings (ctrl+o) or quit (ctrl+q)")
             return
         self.ever_loaded, self.load_error = True, None
-        self.sub_title = model_names(self.runtime.info)
+        ui(setattr, self, "sub_title", model_names(self.runtime.info))
         for note in self.runtime.notes:
-            self.call_from_thread(self.say, f"note: {note}", "note")
-        self.call_from_thread(self.refresh_panel)
-        self.call_from_thread(self.set_ready, True, "Ask something (Enter to send)")
+            ui(self.say, f"note: {note}", "note")
+        ui(self.refresh_panel)
+        ui(self.set_ready, True, "Ask something (Enter to send)")
+
+    def post_ui(self, call, *args) -> None:
+        """From the engine thread: run call(*args) on the UI's next frame, in order, without waiting."""
+        self.inbox.put((None, call, args))
 
     def set_ready(self, ready: bool, placeholder: str) -> None:
         box = self.query_one("#prompt", Input)
@@ -155,9 +170,8 @@ class ChatApp(App):
         answer = Answer()
         self.answers.append((reply, answer))
         self.stop_event.clear()
-        self.generate(self.conversation.ask(text), reply, answer)
+        self.engine.submit(self.generate, self.conversation.ask(text), reply, answer)
 
-    @work(thread=True, exclusive=True, group="generate")
     def generate(self, messages: list[dict], reply: AnswerView, answer: Answer) -> None:
         """Runs the answer (its segments grow in `answer`); hands each block to the UI through `inbox`
         without waiting for it."""
@@ -178,31 +192,40 @@ class ChatApp(App):
         post((reply, builder.answer, None))
 
     def drain(self) -> None:
-        """What the worker posted since the last frame, up to FRAME_CHARS of text (the rest waits for the
-        next frames, so a flood of text never stalls the screen): text appended per answer, then the panel."""
+        """What the engine posted since the last frame, in order, up to FRAME_CHARS of new text (the rest
+        waits for the next frames, so a flood of text never stalls the screen): text appended per answer,
+        an answer's end, calls from the engine thread; then the panel."""
         while True:
             try:
                 self.backlog.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
         new: dict[AnswerView, list] = {}
-        done, budget, taken = None, FRAME_CHARS, 0
-        while taken < len(self.backlog) and budget > 0 and done is None:
-            reply, item, stats = self.backlog[taken]
+        budget, taken, ended = FRAME_CHARS, 0, False
+        while taken < len(self.backlog) and budget > 0:
+            reply, item, extra = self.backlog[taken]
             taken += 1
             if isinstance(item, list):
                 new.setdefault(reply, []).extend(item)
                 budget -= sum(len(text) for text, _ in item)
-                self.last_stats = stats
+                self.last_stats = extra
+                continue
+            self.show(new)  # what came before this event is on screen first
+            new = {}
+            if reply is None:
+                item(*extra)
             else:
-                done = (reply, item)
+                (self.finished if isinstance(item, Answer) else self.failed)(reply, item)
+                ended = True
         del self.backlog[:taken]
+        self.show(new)
+        if ended or (new and time.monotonic() - self.panel_at >= 1 / PANEL_HZ):
+            self.refresh_panel()
+
+    @staticmethod
+    def show(new: dict) -> None:
         for reply, segments in new.items():
             reply.append(segments)
-        if done is not None:
-            (self.finished if isinstance(done[1], Answer) else self.failed)(*done)
-        if done is not None or (new and time.monotonic() - self.panel_at >= 1 / PANEL_HZ):
-            self.refresh_panel()
 
     def finished(self, reply: AnswerView, answer: Answer) -> None:
         reply.finish(answer.stopped)
@@ -236,7 +259,8 @@ class ChatApp(App):
     def refresh_panel(self) -> None:
         self.panel_at = time.monotonic()
         info = self.runtime.info if self.runtime else {}
-        self.query_one("#panel", Static).update(panel_text(self.last_stats, info, self.baseline, self.settings))
+        panel = panel_text(self.last_stats, info, self.baseline, self.settings)
+        self.query_one("#panel", Static).update(panel, layout=False)  # a fixed column: no layout to redo
 
     # --- keys ----------------------------------------------------------------------------------
 

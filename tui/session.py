@@ -64,6 +64,21 @@ def styled(segments: list[Segment], show_sources: bool) -> Text:
     return out
 
 
+def split_segments(segments: list[Segment], at: int) -> tuple[list[Segment], list[Segment]]:
+    """The segments' first `at` characters and the rest, each keeping its source."""
+    head, rest, seen = [], [], 0
+    for text, source in segments:
+        if seen >= at:
+            rest.append((text, source))
+        elif seen + len(text) <= at:
+            head.append((text, source))
+        else:
+            head.append((text[:at - seen], source))
+            rest.append((text[at - seen:], source))
+        seen += len(text)
+    return head, rest
+
+
 def chunked(segments: list[Segment], limit: int) -> list[list[Segment]]:
     """The segments as chunks of at most `limit` characters, each ending after its last newline, else its
     last space, else at the limit (a line with neither is cut anywhere); sources are kept. Linear in the
