@@ -10,6 +10,18 @@ from hetero_sd.decoding.stats import Stats
 from hetero_sd.runtime import StreamEvent
 
 
+def line_tokenizer(vocab: int = 64):
+    """A tokenizer whose ids decode to "w<id> " words, every eighth one ending its line (a newline,
+    not a space), joined as they are: lines of eight words, as an answer's lines come."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = {(f"w{i}\n" if i % 8 == 7 else f"w{i} "): i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(pieces, unk_token="w0 "))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0 ")
+
+
 class PacedRuntime:
     """Streams `tokens` tokens at `rate` tokens/s (None: as fast as it can) in verify steps of `block`
     tokens (tau = block), paced on the wall clock by sleeping to each step's due time: like the engine's

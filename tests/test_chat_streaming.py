@@ -4,6 +4,8 @@ stream without freezing it, and the panel's speed and speedup are the engine's o
 from __future__ import annotations
 
 import asyncio
+import html
+import re
 import statistics
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 from hetero_sd.tui import ChatApp
 
-from .chat_doubles import PacedRuntime
+from .chat_doubles import PacedRuntime, line_tokenizer
 from .test_chat import run, started, until
 
 
@@ -94,6 +96,33 @@ def test_a_5000_token_per_s_stream_is_not_slowed_by_the_screen(tokenizer):
     assert app.baseline.tokens_per_s == pytest.approx(5000 / 4, rel=0.2)
     assert f"speedup   {app.last_stats.tokens_per_s / app.baseline.tokens_per_s:.2f}x" in panel[0]
     assert "AR, 512 tokens, at load" in panel[0]
+
+
+def screen_text(app) -> str:
+    """The characters on the screen, as the terminal shows them (Textual's own screenshot)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", app.export_screenshot())).replace("\xa0", " ")
+
+
+def test_the_screen_follows_the_answer_line_by_line_and_shows_the_panel():
+    tokenizer = line_tokenizer(4096)  # 512 different lines: the answer's 375 lines are all different
+    runtime = PacedRuntime(tokenizer, tokens=3000, rate=3000.0, block=4, first_id=0, vocab=4096)
+    app = paced_app(runtime, 3000)
+
+    async def scenario():
+        async with started(app, (100, 30), 60) as pilot:
+            await send(app, "Lines, please.")
+            await until(pilot, lambda: len(app.answers[0][0].sealed_lines) > 40)
+            await pilot.pause(0.3)
+            reply = app.answers[0][0]
+            assert reply.sealed_lines[-1].text.strip() in screen_text(app)  # mid-answer: the newest lines
+            await until(pilot, lambda: not app.generating, timeout=60)
+            await pilot.pause(0.3)
+            screen, lines = screen_text(app), app.answers[0][1].text.rstrip("\n").split("\n")
+            assert reply.shown_text.splitlines() == lines  # one screen line per answer line
+            assert lines[-1].strip() in screen  # the end of the answer in view
+            assert f"tok/s     {app.last_stats.tokens_per_s:.1f}" in screen and "speedup" in screen
+
+    run(scenario)
 
 
 def test_an_8k_token_answer_streams_and_keys_answer(tokenizer):

@@ -40,6 +40,7 @@ class AnswerView(Widget):
         once; the line being written is wrapped again."""
         if not segments:
             return
+        height, start = self.line_count, len(self.sealed_lines)
         live = self.chunks[-1] + segments
         text = "".join(t for t, _ in live)
         sealed = []
@@ -53,20 +54,21 @@ class AnswerView(Widget):
         self.chunks[-1:] = sealed + [live]
         if self.width:
             self.sealed_lines += [line for chunk in sealed for line in self.wrap(chunk, live=False)]
-        self.update_live()
+        self.update_live(height, start)
 
     def finish(self, stopped: bool) -> None:
         self.stopped = stopped
-        self.update_live()
+        self.update_live(self.line_count, len(self.sealed_lines))
 
-    def update_live(self) -> None:
-        height = self.line_count
+    def update_live(self, height: int, start: int) -> None:
+        """Wrap the line being written again. Rows from `start` on changed: a new height is a layout,
+        else those rows are repainted."""
         if self.width:
             self.live_lines = self.wrap(self.chunks[-1], live=True)
         if self.line_count != height or not self.width:
             self.refresh(layout=True)
-        else:  # only the line being written changed
-            self.refresh(Region(0, len(self.sealed_lines), self.width, len(self.live_lines)))
+        else:
+            self.refresh(Region(0, start, self.width, self.line_count - start))
 
     def set_sources(self, show_sources: bool) -> None:
         """Re-render every chunk with or without the draft tokens marked (the whole answer, once)."""

@@ -50,7 +50,7 @@ class ChatApp(App):
     CSS = """
     #chat { width: 1fr; }
     #log { height: 1fr; padding: 0 1; }
-    #panel { width: 30; border-left: solid $primary; padding: 0 1; }
+    #panel { width: 30; height: 1fr; border-left: solid $primary; padding: 0 1; }  /* fixed: repainted, never re-laid out */
     #panel.hidden { display: none; }
     #prompt { dock: bottom; }  /* only the chat box: a dialog's fields stay in their grid */
     """
