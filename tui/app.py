@@ -30,7 +30,7 @@ from .session import (Answer, AnswerBuilder, Baseline, Conversation, measure_bas
                       save_transcript)
 from .settings import SettingsScreen
 
-FPS = 12  # screen updates per second while an answer streams (each one takes the GIL from the engine)
+FPS = 10  # screen updates per second while an answer streams (each one takes the GIL from the engine)
 PANEL_HZ = 4  # panel updates per second (its charts walk every step so far)
 FRAME_CHARS = 32768  # characters of new text a frame shows at most (wrapping them takes ~30 ms)
 SHOWN_QUESTION = 4000  # characters of a question echoed in the chat (all of it is sent and saved)
@@ -158,7 +158,7 @@ class ChatApp(App):
         text = event.value.strip()
         if not text or self.generating or self.runtime is None or self.quitting:
             return
-        self.generating = True
+        self.streaming(True)
         event.input.value = ""
         # a long question (a paste) is echoed in part: rendering a megabyte would stall the screen; it is
         # sent whole, and tokenized and checked against the context in the worker, off the UI thread
@@ -230,7 +230,7 @@ class ChatApp(App):
     def finished(self, reply: AnswerView, answer: Answer) -> None:
         reply.finish(answer.stopped)
         self.conversation.answered(answer)
-        self.generating = False
+        self.streaming(False)
         if self.last_stats is not None:
             for note in self.last_stats.notes:
                 if note not in self.runtime.notes:
@@ -249,9 +249,15 @@ class ChatApp(App):
         box = self.query_one("#prompt", Input)
         if not box.value:  # nothing the user typed is lost: the question comes back, the cursor after it
             box.value, box.cursor_position = question, len(question)
-        self.generating = False
+        self.streaming(False)
         if self.quitting:
             self.quit_now(self.quitting)
+
+    def streaming(self, on: bool) -> None:
+        """An answer starts or ends. While it streams the chat box's cursor does not blink: each blink
+        repaints the box, and every repaint takes the GIL from the engine."""
+        self.generating = on
+        self.query_one("#prompt", Input).cursor_blink = not on
 
     def say(self, text: str, kind: str) -> None:
         self.query_one("#log").mount(Message(text, classes=kind, markup=False))  # typed text is never markup
