@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from hetero_sd.decoding.costs import cpu_name
 
 OUT = Path(__file__).resolve().parent / "results" / "costs" / "grammar_engines.json"
 DECODE_OUT = OUT.parent.parent / "decode" / "json_schema.json"
@@ -228,7 +229,7 @@ def decode(max_new: int) -> dict:
             summary[label]["valid"] = f"{t['valid']}/{len(TASKS)}"
             summary[label]["mask_ms_per_token"] = round(1e3 * t["mask_s"] / t["tokens"], 4)
     return {"target": str(rt.info.get("target")), "draft": str(rt.info.get("draft")), "block": str(rt.block),
-            "max_new_tokens": max_new, "cpu": platform.processor() or platform.machine(),
+            "max_new_tokens": max_new, "cpu": cpu_name(),
             "load_average": list(os.getloadavg()), "summary": summary, "tasks": rows}
 
 
@@ -274,7 +275,7 @@ def main() -> None:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     eos = tokenizer.eos_token_id
     torch.set_num_threads(1)
-    results = {"tokenizer": folder.name, "vocab_size": vocab, "cpu": platform.processor() or platform.machine(),
+    results = {"tokenizer": folder.name, "vocab_size": vocab, "cpu": cpu_name(),
                "threads": 1, "engines": {}}
     for name in args.engines.split(","):
         row = {"version": version(name), "schemas": {}}

@@ -195,6 +195,7 @@ SOURCES = {
                "decode/humaneval_r1.json", "decode/humaneval_r2.json", "decode/humaneval_r3.json"],
     "emulated": ["decode/ane_sim_chat.json"],
     "field": ["field/humaneval.json"],
+    "grammar": ["costs/grammar_engines.json", "decode/json_schema.json"],
     "costs": ["costs/costs_r1.json", "costs/costs_r2.json", "costs/costs_r3.json"],
     "prefill": ["costs/prefill_rate.json"],
     "agreement": ["agreement/llama_agreement.json"],
@@ -304,8 +305,8 @@ def field_section() -> list[str]:
     lines = ["## The field on our draft", "",
              "llama.cpp's own DFlash (`llama.cpp-dflash`) and z-lab's reference loop (`zlab-reference`) run our draft "
              "on the same prompts and token ids, with llama.cpp's autoregressive decoding beside them "
-             "(`bash benchmarks/field.sh`). These figures predate the int8 target and the current draft: re-run the "
-             "script to compare with today's build.", ""]
+             "(`bash benchmarks/field.sh`): our draft converted by `hetero-sd export-draft --to gguf` for llama.cpp, "
+             "read as it is by z-lab's loader.", ""]
     for name in SOURCES["field"]:
         path, doc = read(name)
         for run_name, res in load([str(path)]):
@@ -313,6 +314,37 @@ def field_section() -> list[str]:
             lines += [f"### {rel(path)}", "", f"Command: `{command_of(doc, path)}`", ""] + body[4:]
             lines += verdict([(run_name, res)])[2:]
         lines += [source_line(path, doc), ""]
+    return lines
+
+
+def grammar_section() -> list[str]:
+    """JSON-schema output: the grammar engines' mask cost at the default vocabulary, then the default pair with
+    and without a schema (benchmarks/json_schema_bench.py)."""
+    engines_path, engines = read(SOURCES["grammar"][0])
+    decode_path, decode = read(SOURCES["grammar"][1])
+    lines = ["## Constrained output (JSON schemas)", "",
+             f"Mask cost per token of each grammar engine on {engines['tokenizer']}'s {engines['vocab_size']:,}-token "
+             f"vocabulary, {engines['threads']} thread (`python benchmarks/json_schema_bench.py`):", "",
+             "| engine | version | mean mask us/token | exact on every schema |", "| --- | --- | --- | --- |"]
+    for name, e in engines["engines"].items():
+        runs = list(e.get("schemas", {}).values())
+        if not runs:
+            continue
+        mean = sum(r["mask_us_per_token"] for r in runs) / len(runs)
+        lines.append(f"| {name} | {e.get('version', '-')} | {mean:.1f} | {all(r.get('exact') for r in runs)} |")
+    lines += ["", source_line(engines_path, engines), ""]
+    sm = decode["summary"]
+    lines += [f"The default pair on {len(decode['tasks'])} extraction prompts, T=0, {decode['max_new_tokens']} new "
+              f"tokens, block {decode['block']} (`python benchmarks/json_schema_bench.py --decode`):", "",
+              "| output | plain tok/s | DFlash tok/s | speedup | tau | equal to plain decoding |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for kind in ("free", "json"):
+        r = sm[kind]
+        lines.append(f"| {'free text' if kind == 'free' else 'JSON schema'} | {r['plain_tokens_per_s']:.0f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {r['equal_to_plain']} |")
+    lines += ["", f"With the schema: {sm['json']['valid']} answers validate (the others hit the token limit); the "
+              f"grammar's masks cost {sm['json']['mask_ms_per_token']:.2f} ms a token.", "",
+              source_line(decode_path, decode), ""]
     return lines
 
 
@@ -517,7 +549,7 @@ def whole_page() -> list[str]:
              "[held-out acceptance](#held-out-acceptance-of-the-shipped-draft), "
              "[controller replay](#the-block-size-controller-replayed), [serving](#serving), "
              "[training](#training-the-shipped-draft), [training throughput](#training-throughput).", ""]
-    for section in (decode_section, field_section, costs_section, gpu_section, agreement_section, heldout_section,
+    for section in (decode_section, field_section, grammar_section, costs_section, gpu_section, agreement_section, heldout_section,
                     controller_section, serving_section, training_section):
         lines += section()
     return lines
