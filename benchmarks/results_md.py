@@ -282,8 +282,8 @@ def decode_section() -> list[str]:
                          f"{s['temperature']:g} | {res['baseline_tokens_per_s']:.0f} | {res['spec_tokens_per_s']:.0f} | "
                          f"{res['speedup']:.2f}x | {res['tau']:.2f} | {lossless} | {res['models'].get('weight_plan', '-')} |")
     lines += ["", "tau: tokens per verify step, the bonus token included. Absolute tok/s of a 2-core VM move by "
-              "10-30% from minute to minute; the speedup is measured within one run. These runs kept K in float16; "
-              "the default on a CPU with AVX512-VNNI now keeps K as q8_0 blocks (the step costs below).", ""]
+              "10-30% from minute to minute; the speedup is measured within one run. The target plan column says "
+              "how each run kept its K/V cache.", ""]
     for name in SOURCES["emulated"]:
         path, doc = read(name)
         res = doc.get("runs", [doc])[0]
@@ -544,7 +544,8 @@ def whole_page() -> list[str]:
              "section names; every figure is read from those files. Each names its machine and date. How to "
              "re-run each: [README.md](README.md).", "",
              "Contents: [decoding](#decoding-the-default-pair-default-flags), "
-             "[the field](#the-field-on-our-draft), [step costs](#step-costs-against-their-floors), "
+             "[the field](#the-field-on-our-draft), [constrained output](#constrained-output-json-schemas), "
+             "[step costs](#step-costs-against-their-floors), "
              "[agreement with llama.cpp](#agreement-with-llamacpp), "
              "[held-out acceptance](#held-out-acceptance-of-the-shipped-draft), "
              "[controller replay](#the-block-size-controller-replayed), [serving](#serving), "
