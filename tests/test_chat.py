@@ -11,7 +11,7 @@ import pytest
 from hetero_sd.runtime import load
 from hetero_sd.decoding.timeline import bars
 from hetero_sd.tui import ChatApp
-from hetero_sd.tui.session import AnswerBuilder, Baseline, Conversation, panel_text
+from hetero_sd.tui.conversation import AnswerBuilder, Baseline, Conversation, panel_text
 
 
 async def until(pilot, condition, timeout: float = 300.0) -> None:

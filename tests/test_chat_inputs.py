@@ -13,7 +13,7 @@ from textual import events
 from hetero_sd.cli import main
 from hetero_sd.tui import ChatApp
 from hetero_sd.tui.quit import QuitScreen
-from hetero_sd.tui.session import save_transcript
+from hetero_sd.tui.conversation import save_transcript
 
 from .chat_doubles import PacedRuntime
 from .test_chat import ask, run, settings, started, until

@@ -138,7 +138,7 @@ def test_the_sweep_table_says_when_no_block_ran():
 
 def test_the_chat_panel_and_stats_say_when_no_block_ran():
     from hetero_sd.decoding.stats import Stats
-    from hetero_sd.tui.session import panel_text
+    from hetero_sd.tui.conversation import panel_text
 
     stats = Stats(mode="speculative")
     stats.drift = Drift("ane-sim")

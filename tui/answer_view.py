@@ -14,7 +14,7 @@ from textual.geometry import Region, Size
 from textual.strip import Strip
 from textual.widget import Widget
 
-from .session import Segment, chunked, split_segments, styled
+from .conversation import Segment, chunked, split_segments, styled
 
 CHUNK = 1024
 

@@ -26,7 +26,7 @@ from hetero_sd.errors import HeteroSDError
 
 from .answer_view import AnswerView
 from .quit import QuitScreen
-from .session import (Answer, AnswerBuilder, Baseline, Conversation, measure_baseline, model_names, panel_text,
+from .conversation import (Answer, AnswerBuilder, Baseline, Conversation, measure_baseline, model_names, panel_text,
                       save_transcript)
 from .settings import SettingsScreen
 
