@@ -68,7 +68,7 @@ def test_smollm2_matches_transformers(default_folder):
     # by its rounding as much as by ours (HF float32 vs float64: up to ~1e-4 on some features), and our
     # float32 GEMM (backends/torch_backend/gemm.py) rounds less than MKL's, so float32 HF is no yardstick
     # at 1e-4 (measured on 45 random ids, logits max |diff| vs float64: ours 3.2e-5, HF float32 5.9e-5).
-    # Over 8 seeds (benchmarks/parity_sweep.py): logits within 1e-4 on all 8 (max 8.7e-5), features on 6;
+    # Over 8 seeds: logits within 1e-4 on all 8 (max 8.7e-5), features on 6;
     # torch's own float32 matmuls: features on 7; the GGUF kernel of commit abd2345 (weights dequantized in
     # registers): logits on 4, features on 1, and it fails this seed.
     ids = torch.randint(0, 49152, (45,), generator=torch.Generator().manual_seed(0)).tolist()

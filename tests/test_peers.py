@@ -1,5 +1,5 @@
 """Peers, the decode floor, per-category rows and RESULTS.md generation (tiny models; the real
-comparison is benchmarks/full.sh)."""
+comparison is benchmarks/field.sh)."""
 
 from __future__ import annotations
 

@@ -241,7 +241,7 @@ def test_batched_int8_generation_gives_the_runtimes_own_greedy_answers(default_f
 @pytest.mark.slow
 def test_training_features_of_the_int8_target(default_folder, tmp_path):
     """--feature-numerics int8: the trainer's features come from the runtime's default CPU target (int8 rows x
-    the GGUF blocks), close to the float32 target's (a draft reads them alike: benchmarks/features_numerics.py)
+    the GGUF blocks), close to the float32 target's (a draft reads them alike on held-out answers)
     but not the same numbers; a store on disk names the target's K cache when it is q8_0 blocks."""
     import json
 

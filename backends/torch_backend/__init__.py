@@ -40,8 +40,8 @@ def default_draft_dtype(device: str, target_dtype: torch.dtype, stored: torch.dt
     moves its proposals away from the reference's). Beside a CPU target that multiplies int8 rows by its
     GGUF blocks (int8_rows), any draft runs in float32: its matrices then become Q8_0 blocks times int8 rows
     on the same kernels and its layers take the fused ops (draft.py), ~5x cheaper than bf16 matmuls even
-    with AVX512-BF16 (Zen 5 EPYC, 2 threads: block of 2 0.22 vs 1.17 ms, of 8 0.43 vs 1.46;
-    benchmarks/results/costs_draft_dtype_zen5.json). Otherwise a 16-bit draft (the published ones) runs in
+    with AVX512-BF16 (Zen 5 EPYC, 2 threads: block of 2 0.22 vs 1.17 ms, of 8 0.43 vs 1.46, `bench --costs`).
+    Otherwise a 16-bit draft (the published ones) runs in
     bf16 on a CPU with native bf16 (AMX / AVX512-BF16), and elsewhere follows the target (a lossless upcast).
     stored=None (unknown): as a 16-bit draft."""
     if device == "cpu" and (stored == torch.float32 or int8_rows):

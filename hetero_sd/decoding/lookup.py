@@ -10,7 +10,7 @@ under both rules (`match` takes q' 's most likely token; `rejection` samples fro
 Why: a small target's answers repeat their prompt's and their own phrases. On 256 held-out rows of the
 default target's own answers, E1's draft is right at position 1 on 51.8% of chat anchors and 71.8% of code
 anchors; with this lookup at w = 0.4 (tuned on half the anchors, read on the other half) 57.1% and 77.2%,
-for a dictionary lookup per position (benchmarks/lookup_tune.py, results/lookup_zen5/tune_e1.json). A lookup guess replaces
+for a dictionary lookup per position (benchmarks/eval_heldout.py --lookup reads it). A lookup guess replaces
 the draft's top token only when w + (1 - w) q(guess) > (1 - w) q(top), i.e. where the draft is not sure.
 
 A draft folder may also hold a corpus table (`hetero-sd draft-lookup`, lookup_corpus.npz): the training answers'
@@ -29,7 +29,7 @@ import torch
 ORDERS = (3, 2)  # the longest context match first; a 1-token match guessed worse than the draft (measured)
 WEIGHT = 0.4
 CORPUS_ORDERS = (4, 3, 2)
-CORPUS_WEIGHT = 0.2  # times the successor's frequency in the training answers (benchmarks/lookup_tune.py)
+CORPUS_WEIGHT = 0.2  # times the successor's frequency in the training answers (tuned on held-out anchors)
 CORPUS_FILE = "lookup_corpus.npz"  # beside a draft's weights (hetero-sd draft-lookup)
 _P, _MASK = 1_000_003, (1 << 64) - 1
 

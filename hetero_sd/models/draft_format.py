@@ -78,7 +78,7 @@ class DraftFormat:
     # True: trained on shorter blocks too (train-draft --short-blocks), so a block of b < block_size runs b rows.
     # False (z-lab's drafts, trained at block_size only): a block of b runs all block_size rows and keeps the
     # first b-1 predictions, as the reference drafts: with fewer mask rows such a draft reads position 1 much
-    # worse (ours trained at 8: 36% instead of 49% right on chat at b = 2; benchmarks/confidence_gate.py).
+    # worse (ours trained at 8: 36% instead of 49% right on chat at b = 2, held out).
     short_blocks: bool = False
 
     def block_rows(self, size: int, block_size: int) -> int:

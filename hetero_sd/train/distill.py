@@ -145,7 +145,7 @@ def generate_shards(target_folder: Path, out: Path, *, max_new_tokens: int = 256
                     log=print) -> dict:
     """Answer the prompts (default: the training mix) not yet in `out`; returns the final progress record.
     dtype "bfloat16" is ~2x faster here (AMX) but its greedy answers leave float32's at near-ties
-    (benchmarks/results/datagen_speed.json): labels of a slightly different model. "int8": the answers of the
+    (measured on the shipped draft's prompts): labels of a slightly different model. "int8": the answers of the
     default CPU target of a GGUF (int8 rows x its blocks), on that target's kernels, with its K cache as q8_0
     blocks where the CPU has AVX512-VNNI (k_q8=False: float16); the manifest names the q8_0 K, so that a store
     is never extended with the other cache's answers."""

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hetero_sd.backends.torch_backend.layers import Rope, apply_rope, rms_norm
 
-GROUP = 32  # blocks per context group: measured on the 2-core EPYC (see benchmarks/TRAINING.md)
+GROUP = 32  # blocks per context group: the fastest on the 2-core EPYC (benchmarks/train_throughput.py)
 # On a GPU a group of 32 is a dozen tiny kernels: ~190 groups a layer for 32 packed sequences made a step
 # launch-bound. Larger groups waste masked scores (a group's keys span up to its last anchor) that a GPU
 # computes for less than the launches cost. On an H200, 4 layers, 64 sequences a step: group 32 3.23 s a step,

@@ -48,7 +48,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; default 7 at block 16, 4 at block 8 (DFlash's training recipe)
     # share of blocks trained at a random shorter length (2..B-1, its rows past the length out of attention and
     # loss): the block-size controller drafts blocks of 2..B, and a draft trained only at B reads position 1
-    # worse in a shorter block (fewer mask rows; benchmarks/TRAINING.md)
+    # worse in a shorter block (fewer mask rows; docs/training.md)
     short_blocks: float = 0.0
     held_out: int = 24  # rows never trained on (the smallest key hashes: see split_held_out)
     eval_rows: int = 24  # of those, the ones the periodic teacher-forced tau reads (the rest: evaluate.py's)
@@ -90,7 +90,7 @@ class FeatureCache:
                  k_q8: bool = True):
         """numerics "int8": the features of the runtime's default CPU target of a GGUF (int8 rows x its blocks:
         ~4.4x fewer CPU-seconds per sequence than float32 rows on the 2-core Zen 5; a draft reads them alike,
-        benchmarks/features_numerics.py); kept in a store of their own. batched (float32 features, no soft
+        held out); kept in a store of their own. batched (float32 features, no soft
         labels): `prefetch` computes a step's new sequences in one padded forward of transformers' model of the
         target (on a GPU one sequence per forward is launch-bound; on the CPU our own target is faster).
         k_q8: the int8 target's K cache as q8_0 blocks where the CPU has AVX512-VNNI, as the runtime's default
@@ -595,7 +595,7 @@ def train(target_folder: Path, rows: list[dict], out: Path, cfg: TrainConfig, *,
 
 def optimizer_step(model, optim, counts, batches, weights, vocab, split, cfg: TrainConfig, autocast) -> tuple[float, int]:
     """One step over its packed forwards (`counts` sequences each): gradients accumulated, clipped, applied.
-    Returns the step's loss and its blocks. (benchmarks/train_step_profile.py times this same function.)"""
+    Returns the step's loss and its blocks."""
     total, blocks = 0.0, 0
     device = model.device.type
     for count, batch in zip(counts, batches):
