@@ -13,15 +13,14 @@ from dataclasses import dataclass
 class LoadPolicy:
     quant: bool = True  # a target converted from a GGUF multiplies decode/verify rows by its Q4_1/Q8_0 blocks
     fused: bool = True  # the fused C++ layer ops on a float32 CPU target
-    stack: bool = True  # ... walking all the layers of a GGUF-block target (and a CPU draft's block) in one C++ call
-    gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (else torch's matmul)
+    gemm: bool = True  # float32 CPU weights packed for the decoding GEMM kernel (1-64 rows; batched data generation
+    #                    multiplies more rows at once and keeps them dense, for torch's matmul)
     draft_int8_head: bool = True  # a CPU draft multiplies the target's head blocks by int8 rows
     draft_int8_layers: bool = True  # ... and then its own matrices too, as GGUF blocks quantized at load:
     draft_layer_blocks: str = "Q8_0"  # ... of this kind ("Q8_0" or "Q4_1": plan.draft_blocks measures both)
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
     k_q8: bool = True  # ... and its K as q8_0 blocks (llama.cpp's -ctk q8_0), where the CPU has AVX512-VNNI
-    attend_isa: str | None = None  # "avx2": the fused attention's 8-lane variant on an AVX-512 CPU
     steps: str = "auto"  # decode/verify/draft steps: "graphs" (fixed shapes captured as CUDA graphs), "fixed",
     #                      "eager", or "auto" (graphs on CUDA, eager elsewhere): torch_backend/steps.py
     origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")

@@ -25,7 +25,7 @@ from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, line
 from . import fused, quant8
 from .cpu import cpu_flags
 from .kernels import KernelUnavailable
-from .plan import WeightPlan
+from .plan import plan_matrices
 from .steps import BUCKETS, DraftSteps, steps_mode
 
 
@@ -45,8 +45,7 @@ class DFlashDraft(nn.Module):
         self.register_buffer("fc", orient(take(tensors, "fc.weight", (h, feature_size), where).to(device, dtype)))
         self.register_buffer("hidden_norm", take(tensors, "hidden_norm.weight", (h,), where).to(device, dtype))
         self.register_buffer("norm", take(tensors, "norm.weight", (h,), where).to(device, dtype))
-        plan = WeightPlan(device, dtype, policy, pack=pack and policy.gemm)  # the draft's own matrices: dense or packed
-        plan.note_gemm_off()
+        plan = plan_matrices(device, dtype, policy, pack)  # the draft's own matrices: dense or packed
         # where the head already multiplies int8 rows by blocks, the layers do too (plan.draft_blocks)
         int8 = pack and policy.draft_int8_layers and isinstance(lm_head_mm, quant8.Int8Blocks)
         own = plan.draft_blocks if int8 else plan.dense
@@ -65,11 +64,11 @@ class DFlashDraft(nn.Module):
         # a plain DFlash block on a float32 CPU: the target's fused layer ops (norms, RoPE with the q/k norms and
         # the cache write, SwiGLU in C++; non-causal attention), ~45 torch ops fewer per block (half a block of 2)
         plain = all(a.plain for a in self.format.attention) and all(layer.bqkv is None for layer in self.layers)
-        self.fused_ops = (fused.FusedLayerOps(arch, True, self.attend_kernel[1], causal=False, stack=policy.stack)
+        self.fused_ops = (fused.FusedLayerOps(arch, True, self.attend_kernel[1], causal=False)
                           if self.attend_kernel is not None and plain and self.format.name != "dflash2" else None)
         self.walk = layer_walk(self.layers, self.norm)
         note = layers_note(self) if int8 else None
-        self.notes: list[str] = plan.notes + ([note] if note else [])
+        self.notes: list[str] = [*plan.notes, *([note] if note else [])]
         # DFlash2 (dflash2.py): convolutions around each layer's sublayers, and the candidate selector.
         dflash2 = self.format.name == "dflash2"
         self.convs = layer_convs(tensors, cfg, where, device, dtype) if dflash2 else None
@@ -153,11 +152,11 @@ def block_attend(arch, device: str, dtype: torch.dtype, policy: LoadPolicy):
         return None
     if not ext.has_attend or not {"avx2", "fma"} <= flags:
         return None
-    return ext.attend, "avx512f" in flags and policy.attend_isa != "avx2"
+    return ext.attend, "avx512f" in flags
 
 
 def layers_note(draft: DFlashDraft) -> str | None:
-    """What the draft's own matrices are (None: all float32; plan.draft_blocks then noted why)."""
+    """What the draft's own matrices are (None: all in the draft's float dtype)."""
     mms = [draft.mm_fc] + [getattr(layer, a) for layer in draft.layers for a in ("mm_qkv", "mm_o", "mm_gate_up", "mm_down", "mm_kv")]
     blocks = [m for m in mms if isinstance(m, quant8.Int8Blocks)]
     if not blocks:

@@ -78,7 +78,8 @@ class FusedLayerOps:
 
     def __init__(self, cfg, attend: bool, wide: bool, causal: bool = True, stack: bool = True):
         """causal=False: every row sees the whole cache up to its block's end (a DFlash draft's block).
-        stack=False: never the one-call walk of `layers` (LoadPolicy.stack; comparisons)."""
+        stack=False: never the one-call walk of `layers`, the steps called layer by layer from Python (what the
+        tests hold the one-call walk bitwise equal to; the runtime always takes `layers` where it applies)."""
         self.k, self.eps = extension(), cfg.rms_norm_eps
         self.nh, self.nkv, self.attend, self.wide = cfg.num_attention_heads, cfg.num_key_value_heads, attend, wide
         self.causal, self.stack = causal, stack

@@ -14,7 +14,7 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.models.layout import inv_frequencies, layer_shapes, layer_weights  # noqa: F401  (re-exported)
 
 from .matmul import linear, orient, row_major, rows_times  # noqa: F401  (the layer's matmuls; re-exported)
-from .plan import KERNEL_NOTE, WeightPlan
+from .plan import KERNEL_NOTE, plan_matrices
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,8 +27,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def multiplier(weight_t: torch.Tensor, notes: list[str] | None = None, policy: LoadPolicy = DEFAULT):
     """What `linear` should multiply a matrix without GGUF blocks by: WeightPlan.dense for one matrix (the
     reason the GEMM kernel is not used goes to `notes`, once)."""
-    plan = WeightPlan(str(weight_t.device), weight_t.dtype, policy, pack=policy.gemm)
-    plan.note_gemm_off()
+    plan = plan_matrices(str(weight_t.device), weight_t.dtype, policy)
     made = plan.dense(weight_t)
     if notes is not None and not any(n.startswith(KERNEL_NOTE) for n in notes):
         notes += plan.notes

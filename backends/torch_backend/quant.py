@@ -51,6 +51,11 @@ def extension():
     return ops("quant", isa() is not None, "this CPU has neither AVX-512 nor AVX2+FMA+F16C")
 
 
+def how(isa_name: str | None) -> str:
+    """How these blocks multiply, in a note."""
+    return f"times bitwise the float32 weights' d, q and m, never dequantized ({isa_name} kernel)"
+
+
 class Quantized:
     """A weight [in, out] kept as GGUF blocks, called like `x @ weight_t` for 1..MAX_ROWS rows; longer
     inputs go to `fallback` (the float32 weight [in, out] or its gemm.Packed)."""
@@ -81,10 +86,6 @@ class Quantized:
         return self.fallback(x) if callable(self.fallback) else x @ self.fallback  # a prefill: float32 weights
 
     suffix = ""  # what the weights' name adds: these numerics are the float32 target's
-
-    @property
-    def how(self) -> str:
-        return f"times bitwise the float32 weights' d, q and m, never dequantized ({self.isa} kernel)"
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] -> [..., n]: the kernel takes the shapes (see qgemm)."""

@@ -46,6 +46,12 @@ def extension():
     return ops("quant8", isa() is not None, "this CPU has neither AVX512-VNNI nor AVX2+FMA+F16C")
 
 
+def how(isa_name: str | None) -> str:
+    """How these blocks multiply, in a note."""
+    return (f"times rows quantized to int8 per 32 inputs (llama.cpp's Q8_1), in integer dot products ({isa_name} "
+            "kernel): a different target from the float32 one")
+
+
 class Int8Blocks(Quantized):
     """A weight [in, out] as GGUF blocks, multiplied with int8-quantized rows of x (any number of rows: decode,
     verify and prefill; `fallback`, the float32 weight, serves only other dtypes)."""
@@ -69,11 +75,6 @@ class Int8Blocks(Quantized):
         int8 kernel at 256 rows takes about half the time of torch's float32 matmul): the prompt's KV entries then
         have the decode rows' numerics."""
         return x.dtype == torch.float32 and x.numel() >= self.k
-
-    @property
-    def how(self) -> str:
-        return (f"times rows quantized to int8 per 32 inputs (llama.cpp's Q8_1), in integer dot products "
-                f"({self.isa} kernel): a different target from the float32 one")
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return self.ext.qgemm8.default(x, self.packed, self.kind == Q4_1, self.avx512, self.amx_rows, self.n)

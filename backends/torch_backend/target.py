@@ -48,25 +48,18 @@ class TargetModel(nn.Module):
             DecoderLayer(cfg, layer_weights(tensors, f"model.layers.{i}.", cfg, where, device, dtype),
                          lambda name, weight_t, i=i: plan.matrix((i, name), weight_t))
             for i in range(cfg.num_hidden_layers))
-        if plan.blocks:
-            made = [m for m in self.matrices() if getattr(m, "blocks", False)]
-            plan.notes.append(plan.blocks_note(made, sum(w.numel() for w in self.dense_matrices())))
         # The forward's walk as plain references to the registered weights: nn.Module's attribute lookup costs
         # ~1 us a read, ~100 reads a decode step. Each layer with its post-attention norm and the next norm
         # (the next layer's input norm, or the final norm after the last layer).
         self.walk = layer_walk(self.layers, self.norm)
         self.first_norm = self.layers[0].in_norm
         # the layer's steps: torch ops, or the same steps as fused C++ ops (fused.py), as the plan says
-        self.ops = (fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide, stack=plan.policy.stack) if plan.fused
+        self.ops = (fused.FusedLayerOps(cfg, plan.attend, plan.attend_wide) if plan.fused
                     else TorchOps(cfg.rms_norm_eps))
 
     def matrices(self) -> list:
         """What a decode step multiplies by: the head, then each layer's four matrices."""
         return [self.mm_head] + [getattr(layer, a) for layer in self.layers for a in LAYER_MATRICES]
-
-    def dense_matrices(self) -> list[torch.Tensor]:
-        mats = ("wqkv", "wo", "w_gate_up", "w_down")
-        return [self.lm_head] + [getattr(layer, a) for layer in self.layers for a in mats]
 
     def forward(self, ids: torch.Tensor, cache, start: int, cos, sin, mask, capture: Sequence[int] = (),
                 ops=None) -> tuple:
@@ -111,7 +104,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         # what the rest of the runtime reads (the draft shares embed and head; floors read the layers)
         self.embed, self.lm_head, self.norm = self.model.embed, self.model.lm_head, self.model.norm
         self.layers, self.mm_head, self.ops = self.model.layers, self.model.mm_head, self.model.ops
-        self.notes: list[str] = self.plan.notes  # announced by the runtime (e.g. a kernel that did not build)
+        self.notes: list[str] = list(self.plan.notes)  # announced by the runtime (e.g. a kernel that did not build)
         self.weight_format, self.fused = self.plan.weights, self.plan.fused
         self.rope = Rope(cfg, device, dtype)
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,

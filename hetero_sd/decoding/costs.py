@@ -93,7 +93,7 @@ def interleaved_medians(fns: dict, repeats: int, sync: Callable[[], None]) -> di
     in rounds, each call once per round: a machine whose
     speed drifts between seconds (a VM's neighbours) moves every call's time alike, so their ratios, which
     the controller decides on, stay right. Timed one after another, a slow second made verify-4 read 1.2x
-    and verify-2 1.27 decode steps where quieter probes read 1.1x and 1.04-1.09 (2-core Zen 5, 27 Nov)."""
+    and verify-2 1.27 decode steps where quieter probes read 1.1x and 1.04-1.09 (2-core Zen 5)."""
     each = {}
     for name, fn in fns.items():
         began = time.perf_counter()
