@@ -38,9 +38,13 @@ class PacedRuntime:
         self.prefix_cache = False
         self.walls: list[float] = []
         self.prompts: list = []
+        self.target = SimpleNamespace(max_context=1 << 20)  # room for any answer
 
     def close(self) -> None:
         pass
+
+    def encode(self, prompt, chat: bool = True, options=None) -> tuple[list[int], list[str]]:
+        return self.ids(0, 8), []
 
     def generate(self, prompt, **kwargs):
         stats = None

@@ -154,7 +154,9 @@ def measure_baseline(runtime: Runtime, max_new_tokens: int = BASELINE_TOKENS) ->
     """The loaded target alone (no draft) on a fixed chat prompt, after a 4-token warm-up: as many tokens as
     an answer may have (up to BASELINE_TOKENS), or what BASELINE_SECONDS allow on a slow target."""
     runtime.generate(BASELINE_PROMPT, max_new_tokens=4, speculative=False)  # warm-up: first calls allocate
-    events = runtime.stream(BASELINE_PROMPT, max_new_tokens=max(1, min(max_new_tokens, BASELINE_TOKENS)),
+    prompt_ids, _ = runtime.encode(BASELINE_PROMPT)
+    room = runtime.target.max_context - len(prompt_ids) - 1  # a small target's context bounds the baseline too
+    events = runtime.stream(BASELINE_PROMPT, max_new_tokens=max(1, min(max_new_tokens, BASELINE_TOKENS, room)),
                             speculative=False, stop_at_eos=False)
     try:
         for event in events:
