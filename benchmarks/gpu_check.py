@@ -1,8 +1,13 @@
 """The accelerator check: one call on a GPU machine measures the accelerator path and writes ONE JSON and one log.
 
-    bash benchmarks/gpu_check.sh                    # on a GPU machine: $OUT (or benchmarks/results/gpu)/gpu_check.json
-    .venv/bin/python benchmarks/gpu_check.py --device cpu --shapes tiny --tokens 12 --out /tmp/check
+    python3 benchmarks/gpu_check.py                 # on a GPU machine: $OUT (or benchmarks/results/gpu)/gpu_check.json
+    python3 benchmarks/gpu_check.py --tests         # then, if time is left: the CUDA tests (tests/test_cuda.py, ...)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --dtype float32 --shapes tiny --tokens 12 --out /tmp/check
                                                     # anywhere: every row on a tiny shape (checks the script)
+
+Nothing is installed on the GPU machine: its python3 has torch and transformers, and this script lays the checkout
+out as the package (see `importable`). One call of `python3 benchmarks/gpu_check.py` fits 8 minutes (timeout_s
+560; rows stop starting at --budget-s 440).
 
 Per shape (random weights of SmolLM2-135M's, Qwen3-4B's and, while the budget lasts, Qwen3-8B's shapes; bf16;
 context 512) and per step mode ("graphs": fixed shapes captured as CUDA graphs; "eager": the steps as they run
@@ -30,13 +35,33 @@ from pathlib import Path
 
 import torch
 
-from hetero_sd.backends.base import DraftBackend
-from hetero_sd.backends.policy import LoadPolicy
-from hetero_sd.backends.torch_backend import TorchTarget, load_draft
-from hetero_sd.decoding import costs as cost_probe
-from hetero_sd.models.config import ArchConfig, DraftConfig
-from hetero_sd.models.draft_init import draft_config, random_layer_ids
-from hetero_sd.runtime import Runtime
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def importable() -> None:
+    """On a bare checkout (a GPU machine's python3 has torch and transformers, not this package installed): the
+    package as an install lays it out, backends/, ane_compiler/ and tui/ inside the hetero_sd namespace."""
+    try:
+        import hetero_sd.backends  # noqa: F401
+    except ImportError:
+        for name in ("backends", "ane_compiler", "tui"):
+            link = ROOT / "hetero_sd" / name
+            if not link.exists():
+                link.symlink_to(Path("..") / name)
+        sys.path.insert(0, str(ROOT))
+        for name in [m for m in sys.modules if m == "hetero_sd" or m.startswith("hetero_sd.")]:
+            del sys.modules[name]
+
+
+importable()
+
+from hetero_sd.backends.base import DraftBackend  # noqa: E402
+from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
+from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
+from hetero_sd.decoding import costs as cost_probe  # noqa: E402
+from hetero_sd.models.config import ArchConfig, DraftConfig  # noqa: E402
+from hetero_sd.models.draft_init import draft_config, random_layer_ids  # noqa: E402
+from hetero_sd.runtime import Runtime  # noqa: E402
 
 SHAPES = {  # HF config keys of the public models, weights random
     "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -321,6 +346,18 @@ def end_to_end(check: Check, shape_name: str) -> None:
     check.log(f"{shape_name}/hf-generate: {e2e[f'{shape_name}/hf-generate']['tok_s']:.1f} tok/s")
 
 
+def cuda_tests(out: Path) -> int:
+    """tests/test_cuda.py and the fixed-step and device-cost tests, with their log in `out`."""
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--tb=short",
+           "tests/test_cuda.py", "tests/test_fixed_steps.py", "tests/test_device_costs.py"]
+    with open(out / "cuda-tests.log", "w") as log:
+        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -341,7 +378,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=440.0, help="stop starting rows after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu",
                    help="folder of gpu_check.json and gpu_check.log (RESULTS.md cites results/gpu/gpu_check.json)")
+    p.add_argument("--tests", action="store_true", help="run the CUDA tests instead (log beside the JSON)")
     a = p.parse_args(argv)
+    if a.tests:
+        return cuda_tests(Path(a.out))
     a.modes, a.blocks = a.modes.split(","), [int(b) for b in a.blocks.split(",")]
     a.schedules = a.schedules.split(",")
     a.draft_devices = (a.draft_devices or f"{a.device},cpu").split(",")
@@ -353,6 +393,10 @@ def main(argv=None) -> int:
     check = Check(a)
     check.hf = check.hf_shape = None
     check.log(f"{check.result['device']}, torch {torch.__version__}, host {check.result['host_cpu']}")
+    if a.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(a.device))
+        check.result["gpu"] = {"memory_gb": round(props.total_memory / 1e9, 1), "sms": props.multi_processor_count,
+                               "capability": f"{props.major}.{props.minor}"}
     check.row("floors", 20, check.floors)
     shapes = a.shapes.split(",")
     e2e_shapes = [s for s in a.e2e_shapes.split(",") if s in shapes] or shapes[:1]

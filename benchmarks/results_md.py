@@ -492,7 +492,7 @@ def training_section() -> list[str]:
     return lines + [""]
 
 
-GPU_CHECK = ("gpu/gpu_check.json", "gpu_check.json")  # benchmarks/gpu_check.sh's output, where it was committed
+GPU_CHECK = ("gpu/gpu_check.json", "gpu_check.json")  # benchmarks/gpu_check.py's output, where it was committed
 
 
 def gpu_section(path: Path | None = None) -> list[str]:
@@ -505,7 +505,7 @@ def gpu_section(path: Path | None = None) -> list[str]:
     doc = json.loads(path.read_text())
     date = (doc.get("started") or "")[:10] or date_of(path, doc)
     lines = ["## On a GPU", "",
-             f"`bash benchmarks/gpu_check.sh` on {doc['device']} (host {doc['host_cpu']}; torch {doc['torch']}, CUDA "
+             f"`python3 benchmarks/gpu_check.py` on {doc['device']} (host {doc['host_cpu']}; torch {doc['torch']}, CUDA "
              f"{doc.get('cuda') or '-'}; {date}): random weights of each model's shape in {doc['dtype']}, "
              f"{doc['context']} tokens of context. Step costs, in ms and in decode steps:", "",
              "| shape | steps | decode ms | of its floor | verify 8 / 16 (decode steps) | draft 8 / 16 (decode steps) |",

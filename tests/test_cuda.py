@@ -1,5 +1,5 @@
 """CUDA paths: lossless decoding with the target and/or the draft on a CUDA device, and training there.
-Skipped where torch sees no CUDA device (CI); run on a GPU machine by `bash benchmarks/gpu_check.sh tests`.
+Skipped where torch sees no CUDA device (CI); run on a GPU machine by `python3 benchmarks/gpu_check.py --tests`.
 
 The target runs in float32 here: a CUDA target defaults to bf16, whose GEMMs are not batch-invariant (a
 block's verify and one-row decoding may round a near-tie apart), so token identity is the float32 promise."""
