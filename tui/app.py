@@ -30,8 +30,8 @@ from .conversation import (Answer, AnswerBuilder, Baseline, Conversation, measur
                       save_transcript)
 from .settings import SettingsScreen
 
-FPS = 10  # screen updates per second while an answer streams (each one takes the GIL from the engine)
-PANEL_HZ = 4  # panel updates per second (its charts walk every step so far)
+FPS = 5  # screen updates per second while an answer streams (each one takes the GIL from the engine)
+PANEL_HZ = 2  # panel updates per second (its charts walk every step so far)
 FRAME_CHARS = 32768  # characters of new text a frame shows at most (wrapping them takes ~30 ms)
 SHOWN_QUESTION = 4000  # characters of a question echoed in the chat (all of it is sent and saved)
 
