@@ -45,11 +45,11 @@ class OracleDraft(DraftBackend):
         return logits
 
 
-class FaultyDraft(DraftBackend):
-    """Wraps a draft and fails on its `at`-th block: raises, or returns NaN logits."""
+class WrappedDraft(DraftBackend):
+    """A draft around another: its context and caches are the inner draft's; subclasses change `propose`."""
 
-    def __init__(self, inner: DraftBackend, at: int, kind: str = "raise"):
-        self.inner, self.at, self.kind, self.calls = inner, at, kind, 0
+    def __init__(self, inner: DraftBackend):
+        self.inner = inner
         self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
 
     @property
@@ -61,6 +61,17 @@ class FaultyDraft(DraftBackend):
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
+
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None):
+        return self.inner.propose(anchor, position, size)
+
+
+class FaultyDraft(WrappedDraft):
+    """Wraps a draft and fails on its `at`-th block: raises, or returns NaN logits."""
+
+    def __init__(self, inner: DraftBackend, at: int, kind: str = "raise"):
+        super().__init__(inner)
+        self.at, self.kind, self.calls = at, kind, 0
 
     def propose(self, anchor: int, position: int | None = None, size: int | None = None) -> torch.Tensor:
         self.calls += 1

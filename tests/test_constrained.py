@@ -19,6 +19,7 @@ from hetero_sd.decoding.constrained import Grammar, grammar_tokenizer, lark_gram
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, argmax_rows
 from hetero_sd.errors import InvalidArgumentError
 
+from .doubles import WrappedDraft
 from .structured import make_json_draft, make_json_target
 from .test_sampling import P_MIN, chi_square_p
 
@@ -86,22 +87,12 @@ def test_free_text_is_not_json_and_json_object_is(rt):
     assert got.stats.finish_reason == "stop" and isinstance(json.loads(got.text), dict)
 
 
-class Forbidden(DraftBackend):
+class Forbidden(WrappedDraft):
     """A draft whose every row puts almost all its mass on the mask token, which no JSON grammar allows."""
 
     def __init__(self, inner: DraftBackend, token: int = 3):
-        self.inner, self.token = inner, token
-        self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
-
-    @property
-    def context_length(self) -> int:
-        return self.inner.context_length
-
-    def add_context(self, features: torch.Tensor) -> None:
-        self.inner.add_context(features)
-
-    def crop(self, length: int) -> None:
-        self.inner.crop(length)
+        super().__init__(inner)
+        self.token = token
 
     def fork(self):
         return Forbidden(self.inner.fork(), self.token)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from rich.table import Table
 
 from hetero_sd import validate
 from hetero_sd.errors import HeteroSDError, InvalidArgumentError, OutputPathError
+from hetero_sd.decoding.constrained import parse_schema
 from hetero_sd.decoding.lookup import WEIGHT as LOOKUP_WEIGHT
 from hetero_sd.decoding.timeline import chrome_trace
 from hetero_sd.loading.templates import chat_options, parse_kwargs
@@ -217,15 +217,7 @@ def json_schema_file(path: str | None):
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgumentError(f"--json-schema {path} cannot be read ({getattr(e, 'strerror', None) or e})",
                                    "pass a JSON schema file that exists") from None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"--json-schema {path} is not valid JSON ({e.msg} at line {e.lineno})",
-                                   'write a JSON schema object, e.g. {"type": "object"}') from None
-    if not isinstance(schema, dict):
-        raise InvalidArgumentError(f"--json-schema {path} holds a {type(schema).__name__}, not a JSON schema object",
-                                   'write a JSON schema object, e.g. {"type": "object"}')
-    return schema
+    return parse_schema(text, f"--json-schema {path}")
 
 
 def one_request_schedule(schedule: str) -> None:

@@ -65,20 +65,25 @@ def grammar_tokenizer(tokenizer, vocab_size: int, stop_ids) -> object:
         return per[key]
 
 
-def schema_grammar(schema) -> str:
-    """llguidance's grammar for a JSON schema (a dict, or its JSON text)."""
-    import llguidance
-
+def parse_schema(schema, where: str = "the JSON schema") -> dict:
+    """A JSON schema given as a dict or as its JSON text, checked to be a JSON object; errors name `where`."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"the JSON schema is not valid JSON ({e.msg} at character {e.pos})",
-                                       'pass a JSON object, e.g. {"type": "object"}') from None
+            raise InvalidArgumentError(f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})",
+                                       'write a JSON object, e.g. {"type": "object"}') from None
     if not isinstance(schema, dict):
-        raise InvalidArgumentError(f"a JSON schema must be a JSON object, not {type(schema).__name__}",
-                                   'pass e.g. {"type": "object", "properties": {...}}')
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
+        raise InvalidArgumentError(f"{where} must be a JSON object, not {type(schema).__name__}",
+                                   'write e.g. {"type": "object", "properties": {...}}')
+    return schema
+
+
+def schema_grammar(schema) -> str:
+    """llguidance's grammar for a JSON schema (a dict, or its JSON text)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(parse_schema(schema), defaults=COMPACT)
 
 
 def lark_grammar(text: str) -> str:

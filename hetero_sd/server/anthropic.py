@@ -19,10 +19,11 @@ from typing import Annotated, Literal, Union
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import errors
+from .engine import SSE
 from .errors import ApiError
 from .schema import ChatRequest
 from .tools import ChatPlan
@@ -254,23 +255,8 @@ def install(app, runtime, settings, engine, metrics, sampling_options) -> None:
             return error_response(api)
         reply = Reply(settings.model_name, len(ids), plan)
         if body.stream:
-            return Events(reply.events(job), job)
+            return SSE(reply.events(job), job)
         return await reply.whole(job)
-
-
-class Events(StreamingResponse):
-    """Server-sent events whose generation is cancelled however the response ends."""
-
-    def __init__(self, content, job):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancel()
 
 
 def event(kind: str, obj: dict) -> str:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import anyio
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from . import anthropic, errors, limits, tools
-from .engine import Engine, Job, Outcome
+from .engine import SSE, Engine, Job, Outcome
 from .errors import ApiError
 from .metrics import Metrics
 from .prompt import completion_prompt
@@ -153,21 +153,6 @@ def sampling_options(runtime, body: Sampling, settings: Settings, prompt_len: in
                                                      "frequency_penalty") if getattr(body, name) is not None}
     options.update(extras)  # the runtime's sampler applies them to the target's distribution (lossless)
     return {k: v for k, v in options.items() if v is not None}
-
-
-class SSE(StreamingResponse):
-    """An event stream whose generation is cancelled however the response ends (client gone included)."""
-
-    def __init__(self, content, job: Job):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancel()
 
 
 class Reply:

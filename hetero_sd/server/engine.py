@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from fastapi.responses import StreamingResponse
+
 from .errors import ApiError
 from .metrics import Metrics
 from .stops import StopText
@@ -157,3 +159,18 @@ class Engine:
             for job in jobs:
                 job.cancel()
         self.pool.shutdown(wait=True)
+
+
+class SSE(StreamingResponse):
+    """An event stream whose generation is cancelled however the response ends (client gone included)."""
+
+    def __init__(self, content, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
