@@ -190,7 +190,7 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.rope = Rope(arch, device, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
-        self.max_context, self.feature_size = max_context, feature_size
+        self.feature_size = feature_size
         # the block and the context catch-up at fixed shapes (captured on CUDA): a plain DFlash draft on torch ops
         torch_ops = (m.fused_ops is None and m.convs is None and m.selector is None and pack
                      and all(a.plain for a in self.format.attention))

@@ -1,10 +1,10 @@
 """The physical floor of one decode step: every weight (and the KV cache so far) is read once per
-token, so a step cannot take less than bytes / memory bandwidth. Bandwidth is measured here, with the
-process's torch threads (hetero_sd.decoding.costs.read_bandwidth_gb_s)."""
+token, so a step cannot take less than bytes / memory bandwidth. Bandwidth is measured here, on the memory the
+target's weights are in (hetero_sd.decoding.costs.bandwidth_gb_s: the host's reads, or a GPU's own copies)."""
 
 from __future__ import annotations
 
-from hetero_sd.decoding.costs import model_sizes, read_bandwidth_gb_s
+from hetero_sd.decoding.costs import bandwidth_gb_s, memory_device, model_sizes
 
 
 def target_bytes(target) -> tuple[int, int]:
@@ -23,7 +23,7 @@ def floor_report(target, context: int, systems: dict[str, float], gguf_bytes: in
     """systems: name -> measured tokens/s. The floor is computed for the bytes our target reads (its GGUF
     blocks, or its float weights), and for the GGUF file's size where a GGUF peer ran, since each system
     reads its own weights."""
-    bandwidth = read_bandwidth_gb_s()
+    bandwidth = bandwidth_gb_s(memory_device(target))
     weights, kv = target_bytes(target)
     step_bytes = weights + kv * context
     floor_tps = bandwidth * 1e9 / step_bytes

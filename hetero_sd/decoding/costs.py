@@ -246,6 +246,13 @@ def device_bandwidth_gb_s(device: str, repeats: int = 5, buffer_mb: int = 1024) 
     return 2 * x.nbytes / best / 1e9
 
 
+def memory_device(backend) -> str:
+    """The torch device whose memory a backend's weights are read from: its own for cpu/cuda/mps, the host's for
+    the others (MLX on Linux, the Neural Engine's emulation)."""
+    device = device_of(backend)
+    return device if device_kind(device) in ("cpu", "cuda", "mps") else "cpu"
+
+
 def bandwidth_gb_s(device: str) -> float:
     """Memory bandwidth where `device` keeps its weights: host reads for the CPU, device copies elsewhere."""
     return read_bandwidth_gb_s() if device_kind(device) == "cpu" else device_bandwidth_gb_s(device)
@@ -261,7 +268,7 @@ def add_machine(costs: Costs, target, draft) -> None:
     """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak), the
     peak being the model's own int8-row kernel's where it has one (own_peak)."""
     dtype = getattr(target, "dtype", torch.float32)
-    device = device_of(target) if device_kind(device_of(target)) in ("cpu", "cuda", "mps") else "cpu"
+    device = memory_device(target)
     compute = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     costs.peak_gflops = peak_gflops(compute, device=device)
     costs.bandwidth_gbs = bandwidth_gb_s(device)
