@@ -202,6 +202,7 @@ SOURCES = {
     "heldout": ["heldout/block2.json", "heldout/block2_lookup.json", "heldout/block8.json", "heldout/block2_4layer.json"],
     "controller": ["controller/replay.json"],
     "serving": ["serving/server_load.json", "serving/prefix_cache_ttft.json"],
+    "chat": ["chat/chat_speed.json"],
     "training": ["training/b8g2-curve.json", "training/b8g2-block2-curve.json", "training/e1-curve.json",
                  "training/e1-block2-curve.json", "training/e2-curve.json", "training/e2-block2-curve.json"],
     "throughput": ["training/throughput_float32.json", "training/throughput_bf16.json"],
@@ -457,6 +458,28 @@ def serving_section() -> list[str]:
     return lines
 
 
+def chat_section() -> list[str]:
+    path, doc = read(SOURCES["chat"][0])
+    m, rounds = doc["median"], doc["rounds"]
+    lines = ["## The chat app against `generate`", "",
+             f"`python benchmarks/chat_speed.py`: each round runs `hetero-sd generate` on \"{doc['prompt']}\" "
+             f"({doc['max_new_tokens']} tokens, default model and draft), the same with `--autoregressive`, then "
+             f"`hetero-sd chat` in a {doc['window']} tmux window with the same question, its panel read from the screen. "
+             f"Medians of {len(rounds)} rounds: chat **{m['chat_tok_s']:.0f} tok/s** against generate's "
+             f"{m['generate_tok_s']:.0f} (**{doc['chat_over_generate']:.2f}x**); the chat's shown speedup "
+             f"{m['chat_speedup']:.2f}x against generate's spec/AR {m['generate_speedup']:.2f}x "
+             f"(**{doc['shown_speedup_over_generate_speedup']:.2f}**).", "",
+             "| round | generate tok/s (tau) | AR tok/s | chat tok/s (tau) | chat / generate | shown speedup | "
+             "chat baseline tok/s | screen thread CPU s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, r in enumerate(rounds, 1):
+        g, a, c = r["generate"], r["generate_ar"], r["chat"]
+        lines.append(f"| {i} | {g['tok_s']:.0f} ({g['tau']:.2f}) | {a['tok_s']:.0f} | {c['tok_s']:.0f} ({c['tau']:.2f}) | "
+                     f"{c['tok_s'] / g['tok_s']:.2f} | {c['speedup']:.2f}x | {c['baseline_tok_s']:.0f} | "
+                     f"{c['cpu_s_during_answer']['screen_thread']:.2f} |")
+    return lines + ["", source_line(path, doc), ""]
+
+
 def training_section() -> list[str]:
     lines = ["## Training the shipped draft", "",
              "The learning curve of the chain that made `cpu-trained` (docs/training.md), by held-out simulated "
@@ -549,9 +572,10 @@ def whole_page() -> list[str]:
              "[agreement with llama.cpp](#agreement-with-llamacpp), "
              "[held-out acceptance](#held-out-acceptance-of-the-shipped-draft), "
              "[controller replay](#the-block-size-controller-replayed), [serving](#serving), "
+             "[the chat app](#the-chat-app-against-generate), "
              "[training](#training-the-shipped-draft), [training throughput](#training-throughput).", ""]
     for section in (decode_section, field_section, grammar_section, costs_section, gpu_section, agreement_section, heldout_section,
-                    controller_section, serving_section, training_section):
+                    controller_section, serving_section, chat_section, training_section):
         lines += section()
     return lines
 

@@ -4,6 +4,7 @@ The loader (`hetero_sd.loading.loader`) resolves and loads the models; the decod
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -433,6 +434,7 @@ class Runtime:
         self.closed = True
         self.target_lane.close()
         self.draft_lane.close()
+        gc.unfreeze()  # what load() kept out of the collector's walk is collectable again (this runtime's cycles)
 
     def check_open(self) -> None:
         if self.closed:
@@ -524,7 +526,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     if d is None:
         rt = Runtime(t, None, loaded.tokenizer, loaded.stop_ids, info, schedule)
         rt.chat_options = options
-        return rt
+        return settled(rt)
     info["cost_key"] = cost_key(source_id(loaded.target_folder, target), source_id(loaded.draft_folder, info["draft"]),
                                 info["target_device"], info["draft_device"],
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
@@ -534,6 +536,16 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()
+    return settled(rt)
+
+
+def settled(rt: Runtime) -> Runtime:
+    """Everything alive now (the models, tokenizer and tables just loaded) leaves the garbage collector's walk.
+    A full collection visits every tracked object: ~150 ms with the default pair loaded, holding the GIL, so a
+    decoding thread (and a chat's screen or a server's event loop) stalls that long at random points of a
+    generation; frozen, a collection visits only what was made since. Runtime.close() unfreezes them again."""
+    gc.collect()  # what loading left as garbage is freed, not frozen
+    gc.freeze()
     return rt
 
 

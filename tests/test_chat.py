@@ -72,6 +72,9 @@ def test_panel_and_transcript(tiny_llama, tiny_draft):
     assert "tau" in text and "target" in text
     assert f"speedup   {stats.tokens_per_s / 10.0:.2f}x" in text  # the answer's rate over the baseline's
     assert "AR, 512 tokens, at load" in text  # which baseline it is
+    assert f"answer    {stats.num_generated_tokens} tokens, done" in text  # its length, and that it ended
+    streaming = panel_text(stats, rt.info, None, {}, done=False).plain
+    assert f"answer    {stats.num_generated_tokens} tokens..." in streaming and "done" not in streaming
     assert bars([0, 1, 2]) == " ▄█" and bars([0.0, 0.0]) == "  "
     chat = Conversation()
     chat.ask("hello")

@@ -107,6 +107,19 @@ def test_default_model_two_threads_at_once(smollm_random):
         assert concurrently(lambda p: smollm_random.generate(p, **kw).text, prompts, threads=2) == alone
 
 
+def test_a_loaded_runtime_is_out_of_the_collectors_walk_until_closed(tiny_llama):
+    """A full collection would walk every object of the loaded models (holding the GIL: the decoding thread
+    stalls); load() freezes them, close() gives them back so a closed runtime's cycles can be freed."""
+    import gc
+
+    gc.unfreeze()
+    rt = hetero_sd.load(str(tiny_llama), None)
+    assert gc.get_freeze_count() > 0
+    assert not any(o is rt.target for o in gc.get_objects())  # frozen: in no generation the collector walks
+    rt.close()
+    assert gc.get_freeze_count() == 0
+
+
 def test_closed_runtime_says_so(tiny_llama):
     rt = hetero_sd.load(str(tiny_llama), None)
     rt.close()

@@ -49,7 +49,7 @@ class ChatApp(App):
     TITLE = "hetero-sd chat"
     CSS = """
     #chat { width: 1fr; }
-    #log { height: 1fr; padding: 0 1; }
+    #log { height: 1fr; padding: 0 1; scrollbar-gutter: stable; }  /* a scrollbar appearing never re-wraps the chat */
     #panel { width: 30; height: 1fr; border-left: solid $primary; padding: 0 1; }  /* fixed: repainted, never re-laid out */
     #panel.hidden { display: none; }
     #prompt { dock: bottom; }  /* only the chat box: a dialog's fields stay in their grid */
@@ -164,13 +164,13 @@ class ChatApp(App):
         # sent whole, and tokenized and checked against the context in the worker, off the UI thread
         shown = text if len(text) <= SHOWN_QUESTION else (
             f"{text[:SHOWN_QUESTION]}… ({len(text):,} characters in all, sent whole)")
-        self.say(f"you: {shown}", "user")
-        reply = AnswerView(self.show_sources)
-        await self.query_one("#log").mount(reply)
-        answer = Answer()
+        reply, answer = AnswerView(self.show_sources), Answer()
+        await self.query_one("#log").mount_all([Message(f"you: {shown}", classes="user", markup=False), reply])
         self.answers.append((reply, answer))
         self.stop_event.clear()
-        self.engine.submit(self.generate, self.conversation.ask(text), reply, answer)
+        # the engine starts once the question is on screen: laying it out and drawing it do not compete
+        # with the answer's first steps for the cores and the GIL
+        self.call_after_refresh(self.engine.submit, self.generate, self.conversation.ask(text), reply, answer)
 
     def generate(self, messages: list[dict], reply: AnswerView, answer: Answer) -> None:
         """Runs the answer (its segments grow in `answer`); hands each block to the UI through `inbox`
@@ -265,7 +265,7 @@ class ChatApp(App):
     def refresh_panel(self) -> None:
         self.panel_at = time.monotonic()
         info = self.runtime.info if self.runtime else {}
-        panel = panel_text(self.last_stats, info, self.baseline, self.settings)
+        panel = panel_text(self.last_stats, info, self.baseline, self.settings, done=not self.generating)
         self.query_one("#panel", Static).update(panel, layout=False)  # a fixed column: no layout to redo
 
     # --- keys ----------------------------------------------------------------------------------

@@ -192,9 +192,10 @@ def model_names(info: dict) -> str:
     return f"{name(info.get('target', '?'))} + {draft}"
 
 
-def panel_text(stats: Stats | None, info: dict, baseline: Baseline | None, settings: dict, width: int = 26) -> Text:
-    """The side panel: placement, speed (the answer's and the baseline's, both on the engine's clock),
-    acceptance, device timelines and drift."""
+def panel_text(stats: Stats | None, info: dict, baseline: Baseline | None, settings: dict, width: int = 26,
+               done: bool = True) -> Text:
+    """The side panel: placement, the answer's length (and whether it is still streaming), speed (the
+    answer's and the baseline's, both on the engine's clock), acceptance, device timelines and drift."""
     t = Text()
 
     def row(label: str, value: str, style: str = "") -> None:
@@ -214,6 +215,7 @@ def panel_text(stats: Stats | None, info: dict, baseline: Baseline | None, setti
     if stats is None:
         baseline_rows()
         return t
+    row("answer", f"{stats.num_generated_tokens} tokens" + (", done" if done else "..."))
     row("tok/s", f"{stats.tokens_per_s:.1f}", "bold")
     baseline_rows()
     if baseline and baseline.tokens_per_s > 0:
