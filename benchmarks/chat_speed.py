@@ -1,10 +1,11 @@
 """The chat app's speed in a real terminal against `hetero-sd generate` on the same prompt and length.
 
-Each round runs `hetero-sd generate PROMPT` (speculative, then `--autoregressive`) and then `hetero-sd chat` in a
-detached tmux window (140x40 by default), types the same prompt, waits until the answer has ended (the panel's
+Each round runs `hetero-sd generate PROMPT` (speculative, then `--autoregressive`) and then `hetero-sd chat`, each
+in a detached tmux window (140x40 by default; generate's text streams to it as the chat's does), types the same prompt, waits until the answer has ended (the panel's
 `answer` row says `done`), and reads the panel (tok/s, speedup, tau, tokens) from `tmux capture-pane`. Rounds
 alternate so a drift of the machine touches both sides alike. Writes JSON with every round, the medians and the
-ratios the chat is held to: its tok/s over generate's, its shown speedup over generate's spec/AR ratio.
+ratios the chat is held to, per round and their medians: its tok/s over generate's, its shown speedup over
+generate's spec/AR ratio.
 
     python benchmarks/chat_speed.py --rounds 3 --json benchmarks/results/chat/chat_speed.json
 
@@ -22,26 +23,49 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 SESSION = "hetero-sd-chat-speed"
-GENERATE_LINE = re.compile(r"^(\d+) tokens, ([\d.]+) tok/s(?:, tau ([\d.]+))?", re.M)
-
-
 def hetero_sd() -> str:
     here = Path(sys.executable).with_name("hetero-sd")
     return str(here) if here.exists() else "hetero-sd"
 
 
-def run_generate(prompt: str, tokens: int, extra: list[str]) -> dict:
-    out = subprocess.run([hetero_sd(), "generate", prompt, "--max-new-tokens", str(tokens), *extra],
-                         capture_output=True, text=True, check=True)
-    m = GENERATE_LINE.search(out.stdout + out.stderr)
-    if m is None:
-        raise SystemExit(f"no speed line in `hetero-sd generate` output:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return {"tokens": int(m[1]), "tok_s": float(m[2]), "tau": float(m[3]) if m[3] else None}
+def run_generate(prompt: str, tokens: int, extra: list[str], size: tuple[int, int], timeout: float) -> dict:
+    """`hetero-sd generate` in the same kind of tmux window as the chat (its text streams to the terminal,
+    as a user sees it); its stats read from its --json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "generation.json"
+        command = shlex.join([hetero_sd(), "generate", prompt, "--max-new-tokens", str(tokens), *extra, "--json", str(out)])
+        screen = in_window(command, size, timeout, "generate to end")
+        if not out.exists():
+            raise SystemExit(f"`{command}` wrote no JSON; its last screen:\n{screen}")
+        stats = json.loads(out.read_text())["stats"]
+    return {"tokens": stats["num_generated_tokens"], "tok_s": stats["tokens_per_s"], "tau": stats["tau"]}
+
+
+def start_window(command: str, size: tuple[int, int]) -> None:
+    tmux("kill-session", "-t", SESSION)
+    tmux("new-session", "-d", "-s", SESSION, "-x", str(size[0]), "-y", str(size[1]), command)
+    tmux("set-option", "-t", SESSION, "remain-on-exit", "on")  # a command that exits leaves its last screen
+
+
+def in_window(command: str, size: tuple[int, int], timeout: float, what: str) -> str:
+    """Run `command` in a fresh tmux window until it exits; its last screen."""
+    start_window(command, size)
+    end, screen = time.monotonic() + timeout, ""
+    try:
+        while time.monotonic() < end:
+            screen = tmux("capture-pane", "-p", "-t", SESSION) or screen
+            if tmux("display-message", "-p", "-t", SESSION, "#{pane_dead}").strip() == "1":
+                return screen
+            time.sleep(0.25)
+        raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}; the screen:\n{screen}")
+    finally:
+        tmux("kill-session", "-t", SESSION)
 
 
 def tmux(*args: str) -> str:
@@ -66,10 +90,7 @@ def number(text: str | None) -> float | None:
 
 def run_chat(prompt: str, tokens: int, size: tuple[int, int], timeout: float) -> dict:
     """One answer in a fresh `hetero-sd chat` (the model loads and measures its baseline first)."""
-    tmux("kill-session", "-t", SESSION)
-    command = f"{shlex.quote(hetero_sd())} chat --max-new-tokens {tokens}"
-    tmux("new-session", "-d", "-s", SESSION, "-x", str(size[0]), "-y", str(size[1]), command)
-    tmux("set-option", "-t", SESSION, "remain-on-exit", "on")  # an app that exits leaves its last screen
+    start_window(f"{shlex.quote(hetero_sd())} chat --max-new-tokens {tokens}", size)
     try:
         wait_for(lambda s: "Ask something" in s, timeout, "the model to load")
         tmux("send-keys", "-t", SESSION, "-l", prompt)
@@ -127,36 +148,49 @@ def main() -> None:
     size = tuple(int(v) for v in args.size.split("x"))
     rounds = []
     for r in range(args.rounds):
-        spec = run_generate(args.prompt, args.max_new_tokens, [])
-        ar = run_generate(args.prompt, args.max_new_tokens, ["--autoregressive"])
+        spec = run_generate(args.prompt, args.max_new_tokens, [], size, args.timeout)
+        ar = run_generate(args.prompt, args.max_new_tokens, ["--autoregressive"], size, args.timeout)
         chat = run_chat(args.prompt, args.max_new_tokens, size, args.timeout)
         rounds.append({"generate": spec, "generate_ar": ar, "chat": chat})
         write(args, rounds)  # after every round: a run cut short keeps what it measured
-        print(f"round {r + 1}: generate {spec['tok_s']:.1f} tok/s ({spec['tokens']} tokens, tau {spec['tau']}), "
+        print(f"round {r + 1}: generate {spec['tok_s']:.1f} tok/s ({spec['tokens']} tokens, tau {spec['tau']:.2f}), "
               f"AR {ar['tok_s']:.1f}; chat {chat['tok_s']} tok/s ({chat['tokens']} tokens, tau {chat['tau']}), "
               f"shown speedup {chat['speedup']}x", flush=True)
     doc = write(args, rounds)
-    print(f"chat/generate tok/s {doc['chat_over_generate']:.2f}x; shown speedup {doc['median']['chat_speedup']:.2f}x "
-          f"vs generate's {doc['median']['generate_speedup']:.2f}x ({doc['shown_speedup_over_generate_speedup']:.2f}); "
-          f"{args.json}")
+    print(f"medians of the rounds' ratios: chat/generate tok/s {doc['chat_over_generate']:.2f}; shown speedup over "
+          f"generate's spec/AR {doc['shown_speedup_over_generate_speedup']:.2f}; {args.json}")
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Each round's ratios (its chat against its own generate runs, minutes apart at most) and their medians,
+    the figures the chat is held to; the medians of the raw rates beside them."""
+    def med(values) -> float:
+        return statistics.median(values)
+
+    per_round = [{"chat_over_generate": r["chat"]["tok_s"] / r["generate"]["tok_s"],
+                  "generate_speedup": r["generate"]["tok_s"] / r["generate_ar"]["tok_s"],
+                  "shown_speedup_over_generate_speedup":
+                      r["chat"]["speedup"] / (r["generate"]["tok_s"] / r["generate_ar"]["tok_s"])} for r in rounds]
+    return {
+        "per_round": per_round,
+        "chat_over_generate": med(p["chat_over_generate"] for p in per_round),
+        "shown_speedup_over_generate_speedup": med(p["shown_speedup_over_generate_speedup"] for p in per_round),
+        "median": {"generate_tok_s": med(r["generate"]["tok_s"] for r in rounds),
+                   "generate_ar_tok_s": med(r["generate_ar"]["tok_s"] for r in rounds),
+                   "chat_tok_s": med(r["chat"]["tok_s"] for r in rounds),
+                   "chat_speedup": med(r["chat"]["speedup"] for r in rounds),
+                   "chat_baseline_tok_s": med(r["chat"]["baseline_tok_s"] for r in rounds),
+                   "generate_speedup": med(p["generate_speedup"] for p in per_round)},
+    }
 
 
 def write(args, rounds: list[dict]) -> dict:
-    def med(side: str, key: str) -> float:
-        return statistics.median(r[side][key] for r in rounds)
-
-    generate_ratio = med("generate", "tok_s") / med("generate_ar", "tok_s")
     doc = {
-        "what": "hetero-sd chat's shown speed in tmux against hetero-sd generate, same prompt and length",
+        "what": "hetero-sd chat's shown speed in tmux against hetero-sd generate in tmux, same prompt and length",
         "command": " ".join(["python", "benchmarks/chat_speed.py", *sys.argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "window": args.size,
-        "rounds": rounds,
-        "median": {"generate_tok_s": med("generate", "tok_s"), "generate_ar_tok_s": med("generate_ar", "tok_s"),
-                   "chat_tok_s": med("chat", "tok_s"), "chat_speedup": med("chat", "speedup"),
-                   "generate_speedup": generate_ratio},
-        "chat_over_generate": med("chat", "tok_s") / med("generate", "tok_s"),
-        "shown_speedup_over_generate_speedup": med("chat", "speedup") / generate_ratio,
+        "rounds": rounds, **summary(rounds),
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -165,7 +199,8 @@ def write(args, rounds: list[dict]) -> dict:
 
 def machine() -> dict:
     from hetero_sd.bench.runner import machine as runner_machine
-    return runner_machine()
+    from hetero_sd.decoding.costs import capability
+    return runner_machine() | {"capability": capability()}
 
 
 if __name__ == "__main__":
