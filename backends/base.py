@@ -188,6 +188,31 @@ class DraftBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
 
 
+class WrappedDraft(DraftBackend):
+    """A draft around another: its context, caches and device work are the inner draft's; a subclass changes
+    what `propose` returns (a benchmark's oracle, a test's faulty or adversarial draft)."""
+
+    def __init__(self, inner: DraftBackend):
+        self.inner = inner
+        self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    def add_context(self, features: torch.Tensor) -> None:
+        self.inner.add_context(features)
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def propose(self, anchor: int, position: int | None = None, size: int | None = None):
+        return self.inner.propose(anchor, position, size)
+
+
 def weights_of(backend) -> ModelWeights | None:
     """The backend's declared weights, or None for a backend that does not expose them."""
     try:

@@ -55,7 +55,7 @@ def importable() -> None:
 
 importable()
 
-from hetero_sd.backends.base import DraftBackend  # noqa: E402
+from hetero_sd.backends.base import WrappedDraft  # noqa: E402
 from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
 from hetero_sd.decoding import costs as cost_probe  # noqa: E402
@@ -96,27 +96,14 @@ class NullTokenizer:
         return ""
 
 
-class OracleDraft(DraftBackend):
+class OracleDraft(WrappedDraft):
     """A real draft whose every block runs (its cost is paid, its caches kept as in decoding) and whose proposals
     are replaced by the true continuation: all right, or the first `right` per block (then the true token is the
     second choice, so the overlap schedule's guesses can find it)."""
 
     def __init__(self, inner, sequence: list[int], vocab: int, right: int | None = None):
-        self.inner, self.sequence, self.vocab, self.right = inner, sequence, vocab, right
-        self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
-
-    @property
-    def context_length(self) -> int:
-        return self.inner.context_length
-
-    def add_context(self, features) -> None:
-        self.inner.add_context(features)
-
-    def crop(self, length: int) -> None:
-        self.inner.crop(length)
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
+        super().__init__(inner)
+        self.sequence, self.vocab, self.right = sequence, vocab, right
 
     def propose(self, anchor: int, position: int | None = None, size: int | None = None):
         logits = self.inner.propose(anchor, position, size)

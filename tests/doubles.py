@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_sd.backends.base import DraftBackend
+from hetero_sd.backends.base import DraftBackend, WrappedDraft
 from hetero_sd.runtime import Runtime
 
 
@@ -43,27 +43,6 @@ class OracleDraft(DraftBackend):
             else:
                 logits[i, (t + 1) % self.vocab], logits[i, t] = 20.0, 15.0
         return logits
-
-
-class WrappedDraft(DraftBackend):
-    """A draft around another: its context and caches are the inner draft's; subclasses change `propose`."""
-
-    def __init__(self, inner: DraftBackend):
-        self.inner = inner
-        self.block_size, self.mask_token_id, self.device = inner.block_size, inner.mask_token_id, inner.device
-
-    @property
-    def context_length(self) -> int:
-        return self.inner.context_length
-
-    def add_context(self, features: torch.Tensor) -> None:
-        self.inner.add_context(features)
-
-    def crop(self, length: int) -> None:
-        self.inner.crop(length)
-
-    def propose(self, anchor: int, position: int | None = None, size: int | None = None):
-        return self.inner.propose(anchor, position, size)
 
 
 class FaultyDraft(WrappedDraft):

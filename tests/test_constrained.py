@@ -19,7 +19,7 @@ from hetero_sd.decoding.constrained import Grammar, grammar_tokenizer, lark_gram
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, argmax_rows
 from hetero_sd.errors import InvalidArgumentError
 
-from .doubles import WrappedDraft
+from hetero_sd.backends.base import WrappedDraft
 from .structured import make_json_draft, make_json_target
 from .test_sampling import P_MIN, chi_square_p
 

@@ -23,6 +23,8 @@ import hetero_sd
 from hetero_sd.cli.main import main
 from hetero_sd.errors import ConfigError, InvalidArgumentError
 
+from .live_server import Live
+
 CLI = [sys.executable, "-m", "hetero_sd.cli"]
 PROMPT = [{"role": "user", "content": "t5 t9 t12 t20"}]
 
@@ -203,35 +205,6 @@ def test_api_still_takes_what_it_documents(runtime):
 LIMIT = 1024 * 1024  # the test server's body limit (the default is 16 MiB; the mechanism is the same)
 
 
-class Server:
-    """`hetero-sd serve`'s uvicorn configuration (server/run.py: the header timeout's protocol, keep-alive)
-    in a thread of this process, so that its memory is this process's."""
-
-    def __init__(self, runtime, header_timeout: float, **settings):
-        import uvicorn
-
-        from hetero_sd.server import Settings
-        from hetero_sd.server.run import config
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        conf = config(runtime, Settings("tiny", **settings), port=self.port, log_level="warning",
-                      header_timeout=header_timeout)
-        self.server = uvicorn.Server(conf)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(20)
-
-
 class Unclosing:
     """The module's runtime, whose close() (the server's shutdown closes its runtime) is left to the fixture."""
 
@@ -247,7 +220,7 @@ class Unclosing:
 
 @pytest.fixture(scope="module")
 def server(runtime):
-    s = Server(Unclosing(runtime), header_timeout=1.0, max_body_bytes=LIMIT, body_timeout=1.0)
+    s = Live(Unclosing(runtime), header_timeout=1.0, max_body_bytes=LIMIT, body_timeout=1.0)
     yield s
     s.stop()
 

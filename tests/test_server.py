@@ -6,58 +6,23 @@ error shape, the API key, metrics, and SIGTERM on the real command."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import hetero_sd
-from hetero_sd.server import Settings, create_app
 from hetero_sd.server.stops import StopText
 
+from .live_server import MODEL, Live, free_port
+
 PROMPT = [{"role": "user", "content": "t5 t9 t12 t20"}]
-MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """A uvicorn server in a thread (uvicorn installs no signal handlers off the main thread)."""
-
-    def __init__(self, runtime, **settings):
-        self.app = create_app(runtime, Settings(MODEL, **settings))
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def engine(self):
-        return self.app.state.engine
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(20)
 
 
 class Slow:
