@@ -118,6 +118,31 @@ def test_captured_steps_are_lossless(tiny_llama, tiny_draft, cuda_baseline, draf
         assert rt.draft.steps == "graphs" and rt.draft.fixed.runner.captures >= 2
 
 
+def test_captured_steps_cross_a_tier_and_a_grown_cache(tiny_llama, tiny_draft):
+    """Past 256 slots mid-generation the cache grows (new memory): the captured steps are dropped with their
+    pool and captured again, and the tokens stay the eager ones."""
+    long_prompt = [(7 * i) % 60 + 4 for i in range(250)]
+    want = graphs_runtime(tiny_llama, steps="eager").generate(long_prompt, max_new_tokens=30, stop_at_eos=False)
+    rt = graphs_runtime(tiny_llama, tiny_draft, block_size="fixed")
+    out = rt.generate(long_prompt, max_new_tokens=30, stop_at_eos=False)
+    assert out.token_ids == want.token_ids and out.stats.num_drafts > 0
+    assert rt.target.cache.k[0].shape[2] >= 512
+
+
+def test_a_step_that_cannot_be_captured_says_so_and_leaves_the_stream(tiny_llama):
+    """A host sync inside a capture is illegal: the error names the fix, and the thread is back on the stream it
+    was on (a failed capture_end leaves the capture stream current otherwise)."""
+    from hetero_sd.backends.torch_backend.steps import Runner
+    from hetero_sd.errors import DeviceFailedError
+
+    runner, x = Runner("graphs", "cuda"), torch.ones(4, device="cuda")
+    before = torch.cuda.current_stream()
+    with pytest.raises(DeviceFailedError, match="HETERO_SD_STEPS=fixed"):
+        runner.run("bad", lambda: (x * float(x.sum()),))  # .sum() -> float: a host sync
+    assert torch.cuda.current_stream() == before
+    assert runner.run("good", lambda: (x * 2,))[0].sum().item() == 8.0  # the runner still captures
+
+
 def test_captured_logits_equal_eager_on_cuda(tiny_llama, tiny_draft):
     outs = []
     for steps in ("eager", "graphs"):

@@ -33,3 +33,30 @@ def test_gpu_check_writes_every_row(tmp_path):
     assert all(v["identical_to_ar"] for v in oracle.values())
     assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/graphs"]["tau"] > 3.0
     assert rows["tiny/oracle-right2-b4/cpu/cpu/overlap/eager"]["tau"] <= 3.0
+
+
+def test_gpu_check_records_what_the_budget_left_out_and_a_failed_mode(tmp_path, monkeypatch):
+    """Out of budget: every row is named in `skipped`, the JSON still written; a mode that raises is an error
+    of that mode while the other mode's figures stay."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    tiny = ["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--e2e-shapes", "tiny", "--tokens", "6",
+            "--prompt", "8", "--context", "32", "--runs", "1", "--repeats", "1", "--blocks", "4"]
+    assert gpu_check.main(tiny + ["--budget-s", "0", "--out", str(tmp_path / "none")]) == 0
+    result = json.loads((tmp_path / "none" / "gpu_check.json").read_text())
+    assert [s.split(":")[0] for s in result["skipped"]] == ["floors", "costs tiny", "e2e tiny"]
+    real = gpu_check.measure_mode
+
+    def fails_for_graphs(check, shape, steps, res):
+        if steps == "graphs":
+            raise RuntimeError("capture failed")
+        return real(check, shape, steps, res)
+
+    monkeypatch.setattr(gpu_check, "measure_mode", fails_for_graphs)
+    assert gpu_check.main(tiny + ["--out", str(tmp_path / "one")]) == 0
+    result = json.loads((tmp_path / "one" / "gpu_check.json").read_text())
+    assert result["errors"] == ["costs tiny graphs: RuntimeError: capture failed"]
+    assert result["shapes"]["tiny"]["eager"]["decode_ms"] > 0

@@ -17,9 +17,12 @@ within 1e-5 in float32)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Sequence
 
 import torch
+
+from hetero_sd.errors import DeviceFailedError
 
 from .layers import KVCache, Rope, TorchOps, rms_norm
 
@@ -50,6 +53,9 @@ def steps_mode(asked: str, device: str, torch_ops: bool) -> tuple[str, str | Non
     return wanted, None
 
 
+CAPTURE = threading.Lock()
+
+
 class Runner:
     """Runs a step function over static inputs: as it is ('fixed'), or captured once per key as a CUDA graph and
     replayed ('graphs'). A capture's warm-up runs the step on its real inputs: a step is idempotent (it writes
@@ -63,8 +69,10 @@ class Runner:
         self.captures = 0
 
     def reset(self) -> None:
-        """Forget the captured steps (their inputs moved: a grown cache)."""
+        """Forget the captured steps (their inputs moved: a grown cache) and their memory pool: a pool whose
+        graphs are all gone is not captured into again (cuBLAS keeps its workspace in the first one)."""
         self.graphs = {}
+        self.pool = None
 
     def run(self, key, fn: Callable[[], tuple]) -> tuple:
         if self.mode != "graphs":
@@ -77,7 +85,9 @@ class Runner:
         return outputs
 
     def capture(self, fn):
-        with torch.cuda.device(self.device):
+        # one capture at a time in a process (torch's rule: they share its capture stream); a target and a
+        # draft on two lanes may both meet a new shape at once
+        with CAPTURE, torch.cuda.device(self.device):
             return self.capture_here(fn)
 
     def capture_here(self, fn):
@@ -87,10 +97,15 @@ class Runner:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the other lane (a CPU draft copying features off this GPU) may call CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = fn()
+        graph, before = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            # thread_local: the other lane (a CPU draft copying features off this GPU) may call CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = fn()
+        except Exception as e:
+            torch.cuda.set_stream(before)  # a failed capture_end leaves the capture stream current
+            raise DeviceFailedError(f"capturing a step as a CUDA graph failed on {self.device} ({type(e).__name__}: {e})",
+                                    "HETERO_SD_STEPS=fixed (or eager) runs the steps without capturing them") from e
         self.pool = graph.pool()  # every bucket's graph shares one memory pool
         self.captures += 1
         return graph, outputs

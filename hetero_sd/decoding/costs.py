@@ -96,11 +96,11 @@ def interleaved_medians(fns: dict, repeats: int, sync: Callable[[], None]) -> di
     and verify-2 1.27 decode steps where quieter probes read 1.1x and 1.04-1.09 (2-core Zen 5)."""
     each = {}
     for name, fn in fns.items():
-        began = time.perf_counter()
-        for _ in range(3):  # warm-up
+        for _ in range(3):  # warm-up; the last call alone sizes the rounds (the first may capture a CUDA graph)
+            began = time.perf_counter()
             fn()
             sync()
-        each[name] = (time.perf_counter() - began) / 3
+        each[name] = time.perf_counter() - began
     rounds = min(max(repeats, int(MIN_SECONDS / max(max(each.values(), default=0.0), 1e-6))), 100)
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
