@@ -49,7 +49,7 @@ class ChatApp(App):
     TITLE = "hetero-sd chat"
     CSS = """
     #chat { width: 1fr; }
-    #log { height: 1fr; padding: 0 1; scrollbar-gutter: stable; }  /* a scrollbar appearing never re-wraps the chat */
+    #log { height: 1fr; padding: 0 1; overflow-y: scroll; }  /* its scrollbar from the start: one appearing mid-answer re-lays out the chat */
     #panel { width: 30; height: 1fr; border-left: solid $primary; padding: 0 1; }  /* fixed: repainted, never re-laid out */
     #panel.hidden { display: none; }
     #prompt { dock: bottom; }  /* only the chat box: a dialog's fields stay in their grid */
