@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import errors
-from .engine import SSE
+from .engine import SSE, failure
 from .errors import ApiError
 from .schema import ChatRequest
 from .tools import ChatPlan
@@ -356,12 +356,3 @@ class Reply:
 def tool_use(call) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
             "input": json.loads(call.arguments)}
-
-
-def failure(outcome) -> ApiError:
-    if outcome.reason == "cancelled":
-        return ApiError(503, "the generation was cancelled (the server is shutting down)", None, None)
-    e = outcome.error
-    if isinstance(e, errors.HeteroSDError):
-        return errors.from_hetero(e)
-    return ApiError(500, f"the generation failed: {type(e).__name__}: {e}", None, None)

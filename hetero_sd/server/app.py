@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import anthropic, errors, limits, tools
-from .engine import SSE, Engine, Job, Outcome
+from .engine import SSE, Engine, Job, Outcome, collected, failure
 from .errors import ApiError
 from .metrics import Metrics
 from .prompt import completion_prompt
@@ -199,20 +199,11 @@ class Reply:
                 **extra}
 
     async def whole(self, job: Job, request: Request) -> dict:
-        pieces, outcome = [], None
-        watcher = asyncio.create_task(watch_disconnect(request, job))
-        try:
-            async for kind, value in job.items():
-                if kind == "text":
-                    pieces.append(value)
-                else:
-                    outcome = value
-        finally:
-            watcher.cancel()
+        text, outcome = await collected(job, request)
         fail(outcome)
-        choice = self.choice("".join(pieces), outcome.reason, False)
+        choice = self.choice(text, outcome.reason, False)
         if self.calls is not None:
-            content, self.calls.calls = self.calls.split("".join(pieces))
+            content, self.calls.calls = self.calls.split(text)
             choice["message"] = {"role": "assistant", "content": content or None,
                                  "tool_calls": [c.openai() for c in self.calls.calls] or None}
             choice["finish_reason"] = self.finish(outcome.reason)
@@ -249,24 +240,6 @@ def data(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def failure(outcome: Outcome) -> ApiError:
-    if outcome.reason == "cancelled":
-        return ApiError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
-    e = outcome.error
-    if isinstance(e, errors.HeteroSDError):
-        return errors.from_hetero(e)
-    return ApiError(500, f"the generation failed: {type(e).__name__}: {e}", None, "generation_failed")
-
-
 def fail(outcome: Outcome) -> None:
     if outcome.reason in ("error", "cancelled"):
         raise failure(outcome)
-
-
-async def watch_disconnect(request: Request, job: Job) -> None:
-    """A non-streamed request whose client went away is cancelled too."""
-    while not job.cancelled.is_set():
-        await asyncio.sleep(0.25)
-        if await request.is_disconnected():
-            job.cancel()
-            return

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
+from . import errors
 from .errors import ApiError
 from .metrics import Metrics
 from .stops import StopText
@@ -174,3 +175,36 @@ class SSE(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
+
+
+def failure(outcome: Outcome) -> ApiError:
+    """The API error of a generation that failed or was cancelled."""
+    if outcome.reason == "cancelled":
+        return ApiError(503, "the generation was cancelled (the server is shutting down)", None, "cancelled")
+    e = outcome.error
+    if isinstance(e, errors.HeteroSDError):
+        return errors.from_hetero(e)
+    return ApiError(500, f"the generation failed: {type(e).__name__}: {e}", None, "generation_failed")
+
+
+async def collected(job: Job, request) -> tuple[str, Outcome]:
+    """A non-streamed reply: its whole text and its outcome. A client that goes away meanwhile cancels it."""
+    pieces, outcome = [], None
+    watcher = asyncio.create_task(watch_disconnect(request, job))
+    try:
+        async for kind, value in job.items():
+            if kind == "text":
+                pieces.append(value)
+            else:
+                outcome = value
+    finally:
+        watcher.cancel()
+    return "".join(pieces), outcome
+
+
+async def watch_disconnect(request, job: Job) -> None:
+    while not job.cancelled.is_set():
+        await asyncio.sleep(0.25)
+        if await request.is_disconnected():
+            job.cancel()
+            return

@@ -20,11 +20,11 @@ class StopText:
         if not self.stops:
             out, self.held = self.held, ""
             return out
-        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        hits = [(at, s) for s in self.stops if (at := self.held.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits)  # the earliest stop string in the text
             self.stopped = True
-            self.matched = min((i, s) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0)[1]
-            out, self.held = self.held[:min(hits)], ""
+            out, self.held = self.held[:at], ""
             return out
         keep = self.partial_suffix()
         out = self.held[:len(self.held) - keep]
