@@ -187,6 +187,25 @@ def test_disconnect_mid_stream_cancels_and_frees_caches(runtime):
     live.stop()
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_gone_before_a_whole_reply_cancels_it(runtime, route):
+    """Not streamed: the client gives up waiting; the generation stops and gives its caches back (OpenAI's
+    route and Anthropic's alike)."""
+    long = [{"role": "user", "content": "t5 t5"}]  # the tiny target's greedy answer to it runs ~260 tokens
+    assert len(reference(runtime, 300, long).token_ids) >= 100  # at 20 ms a step: running when the client leaves
+    live = Live(Slow(runtime))
+    wait_idle(live.engine)
+    free_before = len(runtime.slots.free)
+    cancelled = live.app.state.metrics.request_success.labels(model_name=MODEL, finished_reason="cancelled")
+    before = cancelled._value.get()
+    with httpx.Client(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(f"{live.url}{route}", json={"model": MODEL, "messages": long, "max_tokens": 300, "temperature": 0})
+    wait_idle(live.engine)
+    assert cancelled._value.get() == before + 1, "the generation ran on after its client left"
+    assert len(runtime.slots.free) == free_before
+    live.stop()
+
+
 def test_bounded_load(live):
     """16 clients x 4 requests within a fixed time: every response complete, no error."""
     def client_run(n):

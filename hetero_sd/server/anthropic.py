@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import errors
-from .engine import SSE, failure
+from .engine import SSE, collected, failure
 from .errors import ApiError
 from .schema import ChatRequest
 from .tools import ChatPlan
@@ -256,7 +256,7 @@ def install(app, runtime, settings, engine, metrics, sampling_options) -> None:
         reply = Reply(settings.model_name, len(ids), plan)
         if body.stream:
             return SSE(reply.events(job), job)
-        return await reply.whole(job)
+        return await reply.whole(job, request)
 
 
 def event(kind: str, obj: dict) -> str:
@@ -286,16 +286,11 @@ class Reply:
                 "num_accepted_tokens": s.num_accepted_tokens, "tokens_per_s": s.tokens_per_s, "ttft_s": s.ttft_s,
                 "constrained": s.constrained}
 
-    async def whole(self, job) -> JSONResponse:
-        pieces, outcome = [], None
-        async for kind, value in job.items():
-            if kind == "text":
-                pieces.append(value)
-            else:
-                outcome = value
+    async def whole(self, job, request: Request) -> JSONResponse:
+        text, outcome = await collected(job, request)
         if outcome.reason in ("error", "cancelled"):
             return error_response(failure(outcome))
-        text, calls = "".join(pieces), []
+        calls = []
         if self.plan.calls is not None:
             text, calls = self.plan.calls.split(text)
         content = ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
