@@ -132,6 +132,12 @@ class TargetBackend(ABC):
                 features: bool = True) -> TargetOutput:
         """Run the tokens at positions length..length+T-1 and append them to the cache."""
 
+    def forward_block(self, anchor: int, drafted: torch.Tensor) -> TargetOutput:
+        """Verify [anchor] + drafted, the drafted ids a 1-D tensor on the draft's device (its argmax, which the host
+        has not read). This default reads them (a device sync); a backend that writes them into its step's inputs
+        on the device overrides it, so that a step with its acceptance on the device reads the device once."""
+        return self.forward([anchor] + drafted.tolist())
+
     @abstractmethod
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (rejected drafts)."""

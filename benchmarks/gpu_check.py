@@ -15,7 +15,9 @@ without capture): decode / verify-k / draft-block costs against floors from the 
 matmul peak. Then tokens/s of autoregressive decoding and of DFlash with an oracle draft: a z-lab-shaped random
 draft runs every block (its cost is paid) and its proposals are replaced by the target's own greedy continuation,
 all right (full acceptance) or the first `--stretch` right (a set acceptance); blocks 8 and 16; the draft on the
-GPU and on the host CPU; sequential and overlap schedules. HF `generate` runs on the same weights and dtype. Each
+GPU and on the host CPU; sequential and overlap schedules; on block 8 the sequential loop again with its
+acceptance on the host (`-host-acceptance`: each block read by the host twice, as before acceptance ran on the
+device). HF `generate` runs on the same weights and dtype. Each
 oracle row also gives what the measured step costs predict (tau / (verify + draft)) and the share of it reached.
 Rows past the time budget are skipped and listed; the JSON is rewritten after every row, so a cut-off call keeps
 what it measured."""
@@ -33,8 +35,8 @@ import tempfile
 import time
 from dataclasses import fields
 
-STARTED = time.monotonic()
-ROW_S = 12.0  # an oracle row starts only with this much of the budget left (3 generations of 128 tokens, a 4B shape)  # the budget counts from here: torch's import and CUDA's start are in the call's time
+STARTED = time.monotonic()  # the budget counts from here: torch's import and CUDA's start are in the call's time
+ROW_S = 12.0  # an oracle row starts only with this much of the budget left (3 generations of 128 tokens, a 4B shape)
 from pathlib import Path
 
 import torch
@@ -337,15 +339,17 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
     costs = shape_costs if steps == a.modes[0] else shape_costs.get(steps, {})
     for block in a.blocks:
         for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
-            for schedule in a.schedules:
-                name = f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}/{steps}"
+            for schedule, acceptance in variants(a.schedules, block == a.blocks[0]):
+                name = (f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}"
+                        f"{'-host-acceptance' * (acceptance == 'host')}/{steps}")
                 if not check.fits(name, ROW_S):
                     continue
                 oracle = OracleDraft(draft, sequence, vocab, right)
-                rt = Runtime(target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0)
+                rt = Runtime(target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0,
+                             acceptance=acceptance)
                 out, secs = timed_generations(rt, prompt, a.tokens, a.runs)
                 s = out.stats
-                row = {"tok_s": len(out.token_ids) / secs, "tau": s.tau,
+                row = {"tok_s": len(out.token_ids) / secs, "tau": s.tau, "acceptance": s.acceptance,
                        "identical_to_ar": out.token_ids == answers[steps], "ar_tok_s": e2e[key]["tok_s"]}
                 row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
                 v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
@@ -357,6 +361,16 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
                           + (f", {row['of_prediction']:.2f} of the prediction" if "of_prediction" in row else ""))
                 check.save()
     del target, draft
+
+
+def variants(schedules: list[str], headline: bool) -> list[tuple[str, str]]:
+    """(schedule, acceptance) of the oracle rows: each schedule with its acceptance on the device where it can be
+    (the sequential loop's; what 'auto' does on an accelerator, and on the CPU here too), and on the headline block
+    the sequential loop with its acceptance on the host: what the device's acceptance is worth, in one run."""
+    rows = [(schedule, "device") for schedule in schedules]
+    if headline and "sequential" in schedules:
+        rows.insert(schedules.index("sequential") + 1, ("sequential", "host"))
+    return rows
 
 
 def hf_generate(check: Check, shape_name: str, ours: list[int]) -> None:

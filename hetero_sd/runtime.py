@@ -159,7 +159,8 @@ class Runtime:
 
     def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer, stop_ids: list[int],
                  info: dict, schedule: str = "sequential", block: str | int = "fixed",
-                 memory: Memory | None = None, verify_gate: float | None = None, lookup: float = LOOKUP_WEIGHT):
+                 memory: Memory | None = None, verify_gate: float | None = None, lookup: float = LOOKUP_WEIGHT,
+                 acceptance: str = "auto"):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_ids, self.info = stop_ids, info
         self.notes: list[str] = list(info.get("notes", []))  # announced once per generation, in stats
@@ -167,6 +168,7 @@ class Runtime:
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.verify_gate = verify_gate  # None, or the draft probability below which drafts go unverified
         self.lookup = lookup  # the context lookup's weight in the draft's proposals (0: off)
+        self.acceptance = validate.acceptance(acceptance)  # where greedy blocks are accepted (accepted_where)
         self.corpus = corpus_table(info.get("draft"), self.notes) if draft is not None and lookup else None
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
@@ -270,9 +272,25 @@ class Runtime:
             # schedule pre-drafts every next block
             req.policy = self.block_policy(block, prompt_ids, req.lookup if schedule == "sequential" else None)
             req.gate = verify_gate
+            stats.acceptance = self.accepted_where(req, schedule)
+            req.on_device = stats.acceptance == "device"
         loop = (decoding.autoregressive if not use_draft else
                 decoding.overlapped if schedule == "overlap" else decoding.speculative)
         return self.events(self.in_slot(req, loop, use_draft, draft), stats, req.policy)
+
+    def accepted_where(self, req: decoding.Request, schedule: str) -> str:
+        """'device' where a generation's blocks can be verified and accepted on the device (decoding/loop.py,
+        verify_on_device), else 'host' and why. 'auto' asks for the device when the target is on an accelerator:
+        on a CPU a read costs nothing and the host's argmax is the faster one (sampling.argmax_rows)."""
+        if self.acceptance == "host" or (self.acceptance == "auto" and not accelerator(self.target.device)):
+            return "host"
+        p = req.sampler.params
+        why = [reason for reason, holds in (
+            ("the overlap schedule guesses from the drafted tokens", schedule != "sequential"),
+            ("sampling", not p.greedy), ("penalties", p.penalized), ("a grammar", req.sampler.constraint is not None),
+            ("the verify gate", req.gate is not None), ("the context lookup", req.lookup is not None),
+            ("a DFlash2 selector", str(self.info.get("draft_format") or "").startswith("dflash2"))) if holds]
+        return f"host ({', '.join(why)})" if why else "device"
 
     def grammar(self, json_schema, grammar: str | None, stop_at_eos: bool) -> Grammar | None:
         """The checked grammar of a generation's json_schema or Lark grammar (one of them), or None."""
@@ -474,6 +492,10 @@ def sampler_for(params: SamplingParams, seed: int | None, prompt_ids: list[int])
     return sampler
 
 
+def accelerator(device: str) -> bool:
+    return device.startswith(("cuda", "mps"))
+
+
 def check_schedule(schedule: str) -> str:
     if schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
@@ -491,7 +513,8 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
          draft_device: str | None = None, schedule: str = "sequential", dtype=None, draft_dtype=None,
          block_size: int | str | None = None, verify_gate: float | None = None, lookup: float = LOOKUP_WEIGHT,
          max_context: int | None = None, cpu_threads: int | None = None, policy: LoadPolicy | None = None,
-         system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> Runtime:
+         system_prompt: str | None = None, chat_template_kwargs: dict | None = None,
+         acceptance: str = "auto") -> Runtime:
     """Load a target and optionally a DFlash draft.
 
     target/draft: a folder in HF format, a hub id (org/name), a .gguf file, or "default" (for the draft:
@@ -512,12 +535,15 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     of the context lookup in the draft's proposals (0: the draft's alone; decoding/lookup.py). policy: how the backends may store and multiply
     the weights (backends/policy.py: GGUF blocks, fused ops, the GEMM kernel, the draft's int8 head); the
     default allows everything this machine runs; the CLI builds it from the HETERO_SD_* variables. draft="auto": the published draft of a
-    known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options.
+    known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options. acceptance:
+    where greedy blocks are verified and accepted, "device" (one read of the device a step), "host", or "auto" (the
+    device when the target is on CUDA or MPS; Runtime.accepted_where says when a generation needs the host).
     """
     validate.load_args(target=target, draft=draft, target_device=target_device, draft_device=draft_device,
                        schedule=schedule, max_context=max_context)
     check_schedule(schedule)
     lookup = validate.lookup(lookup)
+    acceptance = validate.acceptance(acceptance)
     options = chat_options(system_prompt, chat_template_kwargs)  # checked before any model work
     loaded = load_models(target, draft, target_device=target_device, draft_device=draft_device, schedule=schedule,
                          dtype=dtype, draft_dtype=draft_dtype, block_size=block_size, max_context=max_context,
@@ -532,7 +558,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
                                 f"{backend_dtype(t)}/{info['draft_dtype']}" + head_key(info), d.block_size,
                                 code_id(t, d), policy or DEFAULT)
     rt = Runtime(t, d, loaded.tokenizer, loaded.stop_ids, info, schedule, loaded.block,
-                 verify_gate=validate.verify_gate(verify_gate), lookup=lookup)
+                 verify_gate=validate.verify_gate(verify_gate), lookup=lookup, acceptance=acceptance)
     rt.chat_options = options
     if loaded.block == "auto":  # measured now (or read from the cache), not in the middle of a first reply
         rt.controller_memory()

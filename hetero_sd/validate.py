@@ -281,6 +281,18 @@ def lookup(value):
     return float(value)
 
 
+ACCEPTANCE = ("auto", "device", "host")
+
+
+def acceptance(value) -> str:
+    """Where a block's greedy acceptance runs: 'device', 'host', or 'auto' (the device when the target is on an
+    accelerator: decoding/loop.verify_on_device)."""
+    if value not in ACCEPTANCE:
+        raise InvalidArgumentError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {value!r}",
+                                   "pass acceptance='auto' (the default), 'device' or 'host'")
+    return value
+
+
 def block_size(value, draft_size: int):
     """load(block_size=...): None (the default: 'auto') or a block setting as for `block`."""
     return None if value is None else block(value, draft_size, "block size")

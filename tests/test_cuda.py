@@ -118,6 +118,18 @@ def test_captured_steps_are_lossless(tiny_llama, tiny_draft, cuda_baseline, draf
         assert rt.draft.steps == "graphs" and rt.draft.fixed.runner.captures >= 2
 
 
+@pytest.mark.parametrize("draft_device,steps", [("cuda", "graphs"), ("cpu", "graphs"), ("cuda", "eager")])
+def test_acceptance_on_the_device_is_lossless(tiny_llama, tiny_draft, cuda_baseline, draft_device, steps):
+    """A CUDA target's greedy blocks are accepted on the device ('auto'), the drafted ids passed to the verify
+    there (from a CUDA draft's argmax) or from the host (a CPU draft's): the target's tokens either way."""
+    rt = graphs_runtime(tiny_llama, tiny_draft, steps=steps, draft_device=draft_device, block_size="fixed", lookup=0)
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.acceptance == "device" and out.stats.fallback is None, out.stats.notes
+        assert out.stats.device_steps == out.stats.num_drafts > 0
+        assert out.token_ids == base
+
+
 def test_captured_steps_cross_a_tier_and_a_grown_cache(tiny_llama, tiny_draft):
     """Past 256 slots mid-generation the cache grows (new memory): the captured steps are dropped with their
     pool and captured again, and the tokens stay the eager ones."""

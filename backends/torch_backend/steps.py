@@ -173,17 +173,25 @@ class TargetSteps:
         self.runner = Runner(mode, cache.device)
         self.slots = Slots(cache, rope, self.runner)
 
-    def __call__(self, token_ids: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, token_ids: Sequence[int], start: int,
+                 tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(float32 logits [count, vocab], context features [count, L*H] or None) of up to the largest bucket's
-        rows at positions start..: copies, safe to keep past the next step."""
-        count = len(token_ids)
+        rows at positions start..: copies, safe to keep past the next step. `tail`: ids after token_ids that are
+        already on a device (a drafted block's argmax), copied into the inputs there, never read by the host."""
+        head = len(token_ids)
+        count = head + (0 if tail is None else tail.shape[0])
         rows = bucket(count)
         t = self.slots.prepare(start + rows, start + rows)
         host = host_rows((2, rows), self.inputs.device)
-        host[0, :count] = torch.as_tensor(list(token_ids))
-        host[0, count:] = host[0, count - 1]  # padding: any valid id
+        host[0, :head] = torch.as_tensor(list(token_ids))
+        host[0, head:] = host[0, head - 1]  # padding (and the tail's place until it is written): any valid id
         host[1] = torch.arange(start, start + rows)
+        on_host = tail is not None and tail.device.type == "cpu"
+        if on_host:
+            host[0, head:count] = tail
         to_device(self.inputs[:, :rows], host)
+        if tail is not None and not on_host:
+            self.inputs[0, head:count].copy_(tail)  # device to device, in stream order after the host's copy
         logits, features = self.runner.run((rows, t), lambda: self.step(rows, t))
         return logits[:count].clone(), None if features is None else features[:count].clone()
 

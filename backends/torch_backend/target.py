@@ -163,22 +163,31 @@ class TorchTarget(CacheOwner, TargetBackend):
     def length(self) -> int:
         return self.cache.length
 
-    @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], *, last_only: bool = False, features: bool = True) -> TargetOutput:
-        start, count = self.cache.length, len(token_ids)
+        return self.run(list(token_ids), None, last_only, features)
+
+    def forward_block(self, anchor: int, drafted: torch.Tensor) -> TargetOutput:
+        return self.run([anchor], drafted, False, True)
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], tail: torch.Tensor | None, last_only: bool, features: bool) -> TargetOutput:
+        """token_ids, then `tail` (ids already on a device, or None), at positions length.. appended to the cache."""
+        start, count = self.cache.length, len(token_ids) + (0 if tail is None else tail.shape[0])
         if start + count > self.max_context:
             raise PromptTooLongError(
                 f"{start + count} positions exceed the target's context of {self.max_context}",
                 "shorten the prompt or lower max_new_tokens")
         if self.fixed is not None and count <= BUCKETS[-1]:
-            logits, captured = self.fixed(token_ids, start)
+            logits, captured = self.fixed(token_ids, start, tail)
             self.cache.length = start + count
             return TargetOutput(logits[-1:] if last_only else logits, captured if features else None)
         self.cache.reserve(start + count)
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)
         mask = None if count == 1 or not self.model.ops.needs_mask else self.causal_mask(start, count)
-        ids = torch.tensor([list(token_ids)], device=self.device)
+        ids = torch.tensor([token_ids], device=self.device)
+        if tail is not None:
+            ids = torch.cat([ids, tail.to(self.device).view(1, -1)], 1)
         normed, captured = self.model(ids, self.cache, start, cos, sin, mask, self.capture if features else ())
         normed = normed[0, -1:] if last_only else normed[0]
         self.cache.length = start + count

@@ -125,17 +125,19 @@ class Lanes:
     def bind(self, target: TargetBackend | None, draft: DraftBackend | None) -> None:
         self.backends = {"target": target, "draft": draft}
 
-    def submit(self, lane: str, label: str, job: Callable, wait: bool = False) -> Future:
+    def submit(self, lane: str, label: str, job: Callable, wait: bool = False, sync: bool = True) -> Future:
+        """sync=False: the job's span ends when its work is launched (a draft whose output the device itself
+        passes on to the verify: waiting for it here would stall the host for nothing)."""
         which = self.target_lane if lane == "target" else self.draft_lane
         backend = self.backends.get(lane)
-        return which.submit(job if backend is None else partial(synchronized, job, backend), self.timeline, label,
-                            self.request, self.step, wait)
+        return which.submit(job if backend is None or not sync else partial(synchronized, job, backend), self.timeline,
+                            label, self.request, self.step, wait)
 
     def target(self, label: str, job: Callable):
         return self.submit("target", label, job, wait=True).result()
 
-    def draft(self, label: str, job: Callable):
-        return self.submit("draft", label, job, wait=True).result()
+    def draft(self, label: str, job: Callable, sync: bool = True):
+        return self.submit("draft", label, job, wait=True, sync=sync).result()
 
 
 def synchronized(job: Callable, backend):

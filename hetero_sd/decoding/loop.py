@@ -13,6 +13,12 @@ Schedules:
   likely verification outcomes (see `hypotheses`); a pre-draft whose guess was right is used at once,
   the others are discarded unread. Pipelining two requests is the other overlap (Runtime.generate_many).
 
+Acceptance on the device: where nothing needs the host between a draft and its verification (temperature 0, no
+penalties, grammar, gate or lookup: the runtime decides, `Request.on_device`), the drafted ids go from the draft's
+argmax into the target's inputs without the host reading them, greedy acceptance runs on the device, and the host
+reads one small tensor per step (`verify_on_device`). On an accelerator every read is a stall: the device idles
+while the host works out what comes next.
+
 Fault tolerance: if the draft raises or returns non-finite logits, the generation finishes
 autoregressively on the target from the same state, and the stats say so; no token is lost."""
 
@@ -30,7 +36,7 @@ from hetero_sd.backends.base import DraftBackend, TargetBackend
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
 from .lookup import ContextLookup
-from .sampling import Sampler, draft_tokens, gated, verify
+from .sampling import Sampler, draft_tokens, gated, greedy_on_device, verify
 from hetero_sd.backends.base import logits_of
 from .stats import Stats
 
@@ -95,6 +101,7 @@ class Request:
     reuse: int = 0  # prompt positions already in the target's cache and the draft's context (prefix cache)
     keep_context: bool = False  # the prefix cache keeps this generation's caches: bring the draft up to date
     lookup: ContextLookup | None = None  # context lookup mixed into the draft's proposals (lookup.py)
+    on_device: bool = False  # sequential blocks verified and accepted on the device (verify_on_device)
 
     def block_size(self) -> int:
         """The one entry point for the size of the next step: 1 is a plain decode step, 2.. a DFlash
@@ -171,7 +178,7 @@ def plain_step(r: Request, anchor: int, pending: list[torch.Tensor]) -> tuple[St
 def on_draft(r: Request, label: str, job):
     """Run a draft job; on a fault, record it (stats and an announced note) and return None."""
     try:
-        return r.lanes.draft(label, job)
+        return r.lanes.draft(label, job, sync=not r.on_device)  # on the device: the verify waits, not the host
     except Exception as e:  # any device error: CUDA, Core ML, NaN... the target finishes the job
         fault(r, e)
         return None
@@ -232,6 +239,36 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
     return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
 
+def verify_on_device(r: Request, anchor: int, logits: torch.Tensor):
+    """verify_block at temperature 0 with nothing for the host to decide between draft and verify: the block's
+    argmax goes into the target's inputs on the device (TargetBackend.forward_block), greedy acceptance runs there
+    and the host reads (accepted, posterior, drafted, finite) once (sampling.greedy_on_device). The same verdict
+    as verify_block's. Non-finite draft logits show in that read: the step's tokens are the target's own choices
+    whatever was drafted, so they are emitted, and the fault is recorded for the loop to finish autoregressively.
+    Timing as verify_block's: on the device path the draft's span is its launch, so the step's seconds are the
+    whole step's (the draft's device work is waited for inside the verify)."""
+    start = r.target.length
+    drafted = logits.argmax(-1)  # launched, not read
+    finite = torch.isfinite(logits.sum())  # (checked's reduction, read with the verdict)
+    began = time.perf_counter()
+
+    def verify_job():
+        out = r.target.forward_block(anchor, drafted)
+        return out, greedy_on_device(out.logits, drafted, finite)
+
+    out, (verdict, tokens, ok) = r.lanes.target("verify", verify_job)
+    keep = verdict.accepted + 1
+    r.target.crop(start + keep)
+    r.stats.record_step(len(tokens), verdict.accepted)
+    r.stats.device_steps += 1
+    r.policy.observe(len(tokens) + 1, len(tokens), verdict.accepted,
+                     r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
+    r.lanes.step += 1
+    if not ok:
+        fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))
+    return Step(r.emit(verdict.tokens), verdict.accepted, len(tokens)), verdict, out.features[:keep]
+
+
 def first_token(r: Request):
     """The prefill's token, yielded; returns (the anchor, the features the draft has not been given yet)
     with the draft's context cut back to what the prefix cache reuses."""
@@ -251,11 +288,15 @@ def speculative(r: Request) -> Iterator[Step]:
             return
         if logits is None:
             continue
-        step, verdict, verified = verify_block(r, anchor, logits)
+        on_device = r.on_device and isinstance(logits, torch.Tensor)
+        step, verdict, verified = (verify_on_device if on_device else verify_block)(r, anchor, logits)
         anchor = verdict.tokens[-1]
         # a draft block took the pending features into the draft's context; a lookup block ran no draft
         pending = pending + [verified] if isinstance(logits, Guessed) else [verified]
         yield step
+        if r.stats.fallback is not None:  # the draft's logits were not finite (found in the step's one read)
+            yield from finish_autoregressive(r, anchor)
+            return
     keep_context(r, pending)
 
 
@@ -294,7 +335,9 @@ def next_block(r: Request, context: list[torch.Tensor], anchor: int, ready: torc
     began = time.perf_counter()
     r.draft.add_context(context[0] if len(context) == 1 else torch.cat(context))
     r.context_s = time.perf_counter() - began
-    return checked(ready if ready is not None else r.draft.propose(anchor, size=size))
+    block = ready if ready is not None else r.draft.propose(anchor, size=size)
+    # on the device, the finite check joins the step's one read (verify_on_device)
+    return block if r.on_device and isinstance(block, torch.Tensor) else checked(block)
 
 
 def overlapped(r: Request, max_hypotheses: int = MAX_HYPOTHESES) -> Iterator[Step]:

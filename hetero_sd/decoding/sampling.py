@@ -205,6 +205,22 @@ def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q:
     return rejection(sampler, sampler.probs(target_logits, drafted), drafted, q.to(target_logits.device))
 
 
+def greedy_on_device(target_logits: torch.Tensor, drafted: torch.Tensor,
+                     finite: torch.Tensor) -> tuple[Verdict, list[int], bool]:
+    """Greedy verification where the logits and the drafted ids [n] stay on their device: the posterior (each row's
+    argmax, the first of ties as `argmax_rows`), the accepted prefix (drafts equal to it), and one copy of all of
+    it to the host, with the draft's `finite` flag. Returns (the verdict, the drafted ids, finite): the same
+    verdict as `verify` at temperature 0 without penalties or a grammar, read from the device once."""
+    n = drafted.shape[0]
+    posterior = target_logits.argmax(-1)  # [n + 1]
+    drafted = drafted.to(posterior.device)
+    accepted = (drafted == posterior[:n]).cumprod(0).sum()
+    read = torch.cat([accepted.view(1), finite.to(posterior.device).long().view(1), posterior, drafted]).tolist()
+    a = read[0]
+    tokens = read[2 + n + 1:]
+    return Verdict(a, tokens[:a] + [read[2 + a]]), tokens, bool(read[1])
+
+
 def matched(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int]) -> Verdict:
     """Sampling with the match rule: the target draws each position (row i with the uniform of position
     + i, as `sample` draws all rows at once), and a draft is kept while it equals the draw. Rows past the first

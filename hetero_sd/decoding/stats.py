@@ -41,6 +41,8 @@ class Stats:
     predraft_steps: int = 0  # overlap schedule: verify steps during which the draft pre-drafted
     predraft_guesses: int = 0  # pre-drafted blocks (one per guessed outcome)
     predraft_hits: int = 0  # steps whose next block was ready when verification ended
+    acceptance: str = "host"  # where the blocks were accepted: "device" (read once a step) or "host" (and why)
+    device_steps: int = 0  # blocks verified and accepted on the device (decoding/loop.verify_on_device)
     notes: list[str] = field(default_factory=list)  # announced fallbacks and other events
     timeline: Timeline | None = field(default=None, repr=False)  # per-device spans of this generation
     drift: Drift | None = field(default=None, repr=False)  # precision drift of the draft device, if measured

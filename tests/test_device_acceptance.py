@@ -1,0 +1,113 @@
+"""Acceptance on the device (decoding/loop.verify_on_device): the drafted ids go from the draft's argmax into the
+target's inputs without the host reading them, greedy acceptance runs on the device and the host reads one small
+tensor a step. Run here on the CPU (acceptance="device"), it must decode exactly as host acceptance does: the same
+tokens as the target alone, the same accepted count at every step, on every kind of target step; it must read the
+device once a block; and a draft's non-finite logits, found in that read, must still lose no token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero_sd
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.errors import InvalidArgumentError
+from hetero_sd.runtime import Runtime
+
+from .doubles import FaultyDraft, OracleDraft
+
+PROMPTS = [[5, 9, 12, 7], [33, 2, 40, 41, 8, 19, 22, 23], [60, 61]]
+MAX_NEW = 40
+# the CPU's default (fused C++ ops), torch ops op by op, and the fixed-shape steps CUDA captures
+POLICIES = {"default": LoadPolicy(), "eager": LoadPolicy(fused=False, quant=False, steps="eager"),
+            "fixed": LoadPolicy(fused=False, quant=False, steps="fixed")}
+
+
+def load(tiny_llama, tiny_draft, policy: str, acceptance: str):
+    return hetero_sd.load(str(tiny_llama), str(tiny_draft), dtype=torch.float32, policy=POLICIES[policy], lookup=0,
+                          block_size="fixed", acceptance=acceptance)
+
+
+def run(rt: Runtime, prompt, **kw):
+    return rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False, **kw)
+
+
+def with_draft(rt: Runtime, draft, acceptance: str) -> Runtime:
+    return Runtime(rt.target, draft, rt.tokenizer, rt.stop_ids, rt.info, "sequential", "fixed", lookup=0,
+                   acceptance=acceptance)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_device_acceptance_decodes_as_the_host_does(tiny_llama, tiny_draft, policy):
+    host, device = (load(tiny_llama, tiny_draft, policy, a) for a in ("host", "device"))
+    for prompt in PROMPTS:
+        alone = run(host, prompt, speculative=False).token_ids
+        on_host, on_device = run(host, prompt), run(device, prompt)
+        assert on_host.stats.acceptance == "host" and on_device.stats.acceptance == "device"
+        assert on_device.token_ids == alone == on_host.token_ids
+        assert on_device.stats.accepted_per_step == on_host.stats.accepted_per_step
+        assert on_device.stats.device_steps == on_device.stats.num_drafts > 0 and on_host.stats.device_steps == 0
+
+
+@pytest.mark.parametrize("correct", [0, 2, None])  # None: every draft right (the block's full acceptance)
+def test_device_acceptance_with_an_oracle_draft(tiny_llama, tiny_draft, correct):
+    """A draft right for `correct` positions a block: the accepted counts are exactly that, as on the host."""
+    rt = load(tiny_llama, tiny_draft, "fixed", "device")
+    prompt = PROMPTS[1]
+    truth = prompt + run(rt, prompt, speculative=False).token_ids
+    oracle = OracleDraft(truth, rt.draft.block_size, rt.target.config.vocab_size, correct)
+    out = {a: run(with_draft(rt, oracle, a), prompt) for a in ("host", "device")}
+    assert out["device"].token_ids == out["host"].token_ids == truth[len(prompt):]
+    assert out["device"].stats.accepted_per_step == out["host"].stats.accepted_per_step
+    full = rt.draft.block_size - 1 if correct is None else correct
+    assert set(out["device"].stats.accepted_per_step[:-1]) == {full}
+
+
+READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_one_read_of_the_device_a_block(tiny_llama, tiny_draft, monkeypatch):
+    """Every way a tensor's value reaches the host, counted over a generation: one read at the prefill, one per
+    block (host acceptance reads the draft's block and then the verdict, and checks the draft's logits apart)."""
+    rt = load(tiny_llama, tiny_draft, "fixed", "device")
+    run(rt, PROMPTS[0])  # built and warmed outside the count
+    counts = {}
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, real=real, name=name, **kw):
+            counts[name] = counts.get(name, 0) + 1
+            return real(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = run(rt, PROMPTS[0])
+    monkeypatch.undo()
+    assert out.stats.plain_steps == 0 and out.stats.num_drafts > 2
+    assert sum(counts.values()) == 1 + out.stats.num_drafts, counts
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_non_finite_draft_logits_lose_no_token(tiny_llama, tiny_draft, at):
+    """NaN logits from the draft's `at`-th block: that block's verified tokens are the target's own and are kept,
+    the rest is decoded by the target alone; the fault is in the stats."""
+    rt = load(tiny_llama, tiny_draft, "fixed", "device")
+    prompt = PROMPTS[1]
+    alone = run(rt, prompt, speculative=False).token_ids
+    out = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "device"), prompt)
+    assert out.token_ids == alone
+    assert "non-finite" in out.stats.fallback and out.stats.device_steps == at
+    assert any("finishing this generation autoregressively" in n for n in out.stats.notes)
+
+
+def test_where_acceptance_runs(tiny_llama, tiny_draft):
+    """'auto' keeps a CPU target's acceptance on the host; asked for the device, a generation that needs the host
+    between draft and verify says why."""
+    auto = hetero_sd.load(str(tiny_llama), str(tiny_draft), dtype=torch.float32, lookup=0, block_size="fixed")
+    assert run(auto, PROMPTS[0]).stats.acceptance == "host"
+    rt = load(tiny_llama, tiny_draft, "default", "device")
+    assert run(rt, PROMPTS[0], temperature=0.7, seed=1).stats.acceptance == "host (sampling)"
+    assert run(rt, PROMPTS[0], lookup=0.4).stats.acceptance == "host (the context lookup)"
+    assert run(rt, PROMPTS[0], schedule="overlap").stats.acceptance.startswith("host (the overlap schedule")
+    assert run(rt, PROMPTS[0], repetition_penalty=1.2, verify_gate=0.3).stats.acceptance == \
+        "host (penalties, the verify gate)"
+    with pytest.raises(InvalidArgumentError, match="acceptance must be one of"):
+        hetero_sd.load(str(tiny_llama), str(tiny_draft), acceptance="gpu")
