@@ -113,6 +113,7 @@ def row(n: int, prompt: Prompt, base, spec, temperature: float) -> dict:
         "identical": diverges is None if temperature == 0 else None,
         "first_divergence": diverges if temperature == 0 else None,
         "draft_s": spec.stats.draft_s, "verify_s": spec.stats.verify_s,
+        "acceptance": spec.stats.acceptance, "device_steps": spec.stats.device_steps,
         "output": spec.text, "output_ids": spec.token_ids,
     } | loops_row(spec.token_ids, spec.stats.accepted_per_step,
                   spec.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else None)

