@@ -185,7 +185,10 @@ class TorchTarget(CacheOwner, TargetBackend):
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)
         mask = None if count == 1 or not self.model.ops.needs_mask else self.causal_mask(start, count)
-        ids = torch.tensor([token_ids], device=self.device)
+        ids = torch.tensor([token_ids])
+        # from pinned memory the copy is queued like a kernel; from pageable memory torch waits for the stream
+        # (on a GPU: for the draft's block before this verify could even be launched)
+        ids = ids.pin_memory().to(self.device, non_blocking=True) if self.device.startswith("cuda") else ids
         if tail is not None:
             ids = torch.cat([ids, tail.to(self.device).view(1, -1)], 1)
         normed, captured = self.model(ids, self.cache, start, cos, sin, mask, self.capture if features else ())

@@ -213,12 +213,14 @@ def greedy_on_device(target_logits: torch.Tensor, drafted: torch.Tensor,
     verdict as `verify` at temperature 0 without penalties or a grammar, read from the device once."""
     n = drafted.shape[0]
     posterior = target_logits.argmax(-1)  # [n + 1]
-    drafted = drafted.to(posterior.device)
-    accepted = (drafted == posterior[:n]).cumprod(0).sum()
-    read = torch.cat([accepted.view(1), finite.to(posterior.device).long().view(1), posterior, drafted]).tolist()
-    a = read[0]
-    tokens = read[2 + n + 1:]
-    return Verdict(a, tokens[:a] + [read[2 + a]]), tokens, bool(read[1])
+    if drafted.device != posterior.device:  # a draft on the host beside an accelerator's target: its ids are here
+        tokens, ok, posterior = drafted.tolist(), bool(finite), posterior.tolist()
+        a = next((i for i in range(n) if tokens[i] != posterior[i]), n)
+    else:
+        accepted = (drafted == posterior[:n]).cumprod(0).sum()
+        read = torch.cat([accepted.view(1), finite.long().view(1), posterior, drafted]).tolist()
+        a, ok, posterior, tokens = read[0], bool(read[1]), read[2:2 + n + 1], read[2 + n + 1:]
+    return Verdict(a, tokens[:a] + [posterior[a]]), tokens, ok
 
 
 def matched(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int]) -> Verdict:
