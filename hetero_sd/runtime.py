@@ -287,7 +287,7 @@ class Runtime:
         p = req.sampler.params
         why = [reason for reason, holds in (
             ("the overlap schedule guesses from the drafted tokens", schedule != "sequential"),
-            ("sampling", not p.greedy), ("penalties", p.penalized), ("a grammar", req.sampler.constraint is not None),
+            ("penalties", p.penalized), ("a grammar", req.sampler.constraint is not None),
             ("the verify gate", req.gate is not None), ("the context lookup", req.lookup is not None),
             ("a DFlash2 selector", str(self.info.get("draft_format") or "").startswith("dflash2"))) if holds]
         return f"host ({', '.join(why)})" if why else "device"

@@ -1,8 +1,9 @@
 """Acceptance on the device (decoding/loop.verify_on_device): the drafted ids go from the draft's argmax into the
 target's inputs without the host reading them, greedy acceptance runs on the device and the host reads one small
-tensor a step. Run here on the CPU (acceptance="device"), it must decode exactly as host acceptance does: the same
-tokens as the target alone, the same accepted count at every step, on every kind of target step; it must read the
-device once a block; and a draft's non-finite logits, found in that read, must still lose no token."""
+tensor a step. Run here on the CPU (acceptance="device"), it must decode exactly as host acceptance does: at
+temperature 0 the target's own tokens, and when sampling (both rules) the same seeded tokens, with the same accepted
+count at every step, on every kind of target step; it must read the device once a block; and a draft's non-finite
+logits, found in that read, must lose no token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 
 import hetero_sd
 from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.decoding import on_device
+from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens, verify
 from hetero_sd.errors import InvalidArgumentError
 from hetero_sd.runtime import Runtime
 
@@ -85,16 +88,65 @@ def test_one_read_of_the_device_a_block(tiny_llama, tiny_draft, monkeypatch):
     assert sum(counts.values()) == 1 + out.stats.num_drafts, counts
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8), SamplingParams(1.0, top_k=12, top_p=0.9)])
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_verdicts_are_the_hosts(params, rule):
+    """on_device.proposals and .verdict against sampling.draft_tokens and .verify on the same logits and seeds:
+    blocks of 1-5 drafts whose draft is the target itself (q = p: every draft accepted, the bonus drawn), close to
+    it, or far from it."""
+    outcomes = set()
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        n, vocab = 1 + seed % 5, 40
+        target = torch.randn(n + 1, vocab, generator=g) * 2
+        draft = target[:n] + torch.randn(n, vocab, generator=g) * (seed % 3)
+        drafted, q = on_device.proposals(Sampler(params, seed).at(9), draft, rule)
+        want_drafted, want_q = draft_tokens(Sampler(params, seed).at(9), draft, rule)
+        assert drafted.tolist() == want_drafted
+        got, tokens = on_device.verdict(Sampler(params, seed).at(9), target, drafted, q, torch.tensor(True), rule)
+        want = verify(Sampler(params, seed).at(9), target, want_drafted, want_q, rule)
+        assert (got, tokens) == (want, want_drafted)
+        outcomes.add("whole" if want.accepted == n else "cut")
+    assert outcomes == {"whole", "cut"}
+    nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor(False), rule)
+    assert nan == (None, want_drafted)
+
+
+SAMPLING = [dict(temperature=0.8, seed=11), dict(temperature=1.0, top_k=20, top_p=0.9, seed=5),
+            dict(temperature=0.7, min_p=0.05, seed=2)]
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+@pytest.mark.parametrize("params", range(len(SAMPLING)))
+def test_sampled_blocks_accepted_on_the_device_as_on_the_host(tiny_llama, tiny_draft, rule, params):
+    """Seeded sampling: the device's draws (the draft's under the rejection rule, the target's, each residual's and
+    the bonus) use the host's keyed uniforms on the same values, so the seeded tokens and accepted counts are the
+    host's exactly; the host's are tested against the target's distribution (test_sampling.py)."""
+    kw = SAMPLING[params] | {"rule": rule}
+    host, device = (load(tiny_llama, tiny_draft, "fixed", a) for a in ("host", "device"))
+    for prompt in PROMPTS:
+        on_host, on_device = run(host, prompt, **kw), run(device, prompt, **kw)
+        assert on_device.stats.acceptance == "device" and on_device.stats.device_steps == on_device.stats.num_drafts
+        assert on_device.token_ids == on_host.token_ids
+        assert on_device.stats.accepted_per_step == on_host.stats.accepted_per_step
+    assert sum(run(device, p, **kw).stats.num_accepted_tokens for p in PROMPTS) > 0 or rule == "match"
+
+
 @pytest.mark.parametrize("at", [1, 3])
-def test_non_finite_draft_logits_lose_no_token(tiny_llama, tiny_draft, at):
-    """NaN logits from the draft's `at`-th block: that block's verified tokens are the target's own and are kept,
-    the rest is decoded by the target alone; the fault is in the stats."""
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_non_finite_draft_logits_lose_no_token(tiny_llama, tiny_draft, at, temperature):
+    """NaN logits from the draft's `at`-th block, found in the step's one read: the step is dropped and the target
+    decodes the rest alone from the same anchor; the fault is in the stats. Seeded sampling then gives what the
+    target alone gives (positions key the draws, whoever makes them)."""
     rt = load(tiny_llama, tiny_draft, "fixed", "device")
-    prompt = PROMPTS[1]
-    alone = run(rt, prompt, speculative=False).token_ids
-    out = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "device"), prompt)
-    assert out.token_ids == alone
-    assert "non-finite" in out.stats.fallback and out.stats.device_steps == at
+    prompt, kw = PROMPTS[1], dict(temperature=temperature, seed=4, rule="rejection")
+    alone = run(rt, prompt, speculative=False, **kw).token_ids
+    out = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "device"), prompt, **kw)
+    if temperature == 0:
+        assert out.token_ids == alone
+    host = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "host"), prompt, **kw)
+    assert out.token_ids == host.token_ids and len(out.token_ids) == MAX_NEW
+    assert "non-finite" in out.stats.fallback and out.stats.device_steps == at - 1
     assert any("finishing this generation autoregressively" in n for n in out.stats.notes)
 
 
@@ -104,7 +156,7 @@ def test_where_acceptance_runs(tiny_llama, tiny_draft):
     auto = hetero_sd.load(str(tiny_llama), str(tiny_draft), dtype=torch.float32, lookup=0, block_size="fixed")
     assert run(auto, PROMPTS[0]).stats.acceptance == "host"
     rt = load(tiny_llama, tiny_draft, "default", "device")
-    assert run(rt, PROMPTS[0], temperature=0.7, seed=1).stats.acceptance == "host (sampling)"
+    assert run(rt, PROMPTS[0], temperature=0.7, seed=1).stats.acceptance == "device"
     assert run(rt, PROMPTS[0], lookup=0.4).stats.acceptance == "host (the context lookup)"
     assert run(rt, PROMPTS[0], schedule="overlap").stats.acceptance.startswith("host (the overlap schedule")
     assert run(rt, PROMPTS[0], repetition_penalty=1.2, verify_gate=0.3).stats.acceptance == \

@@ -13,10 +13,10 @@ Schedules:
   likely verification outcomes (see `hypotheses`); a pre-draft whose guess was right is used at once,
   the others are discarded unread. Pipelining two requests is the other overlap (Runtime.generate_many).
 
-Acceptance on the device: where nothing needs the host between a draft and its verification (temperature 0, no
-penalties, grammar, gate or lookup: the runtime decides, `Request.on_device`), the drafted ids go from the draft's
-argmax into the target's inputs without the host reading them, greedy acceptance runs on the device, and the host
-reads one small tensor per step (`verify_on_device`). On an accelerator every read is a stall: the device idles
+Acceptance on the device: where nothing needs the host between a draft and its verification (no penalties,
+grammar, gate or lookup: the runtime decides, `Request.on_device`), the drafted ids go from the draft's argmax (or
+draws) into the target's inputs without the host reading them, the verdict is computed on the device, and the
+host reads one small tensor per step (`verify_on_device`, on_device.py). On an accelerator every read is a stall: the device idles
 while the host works out what comes next.
 
 Fault tolerance: if the draft raises or returns non-finite logits, the generation finishes
@@ -36,7 +36,8 @@ from hetero_sd.backends.base import DraftBackend, TargetBackend
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
 from .lookup import ContextLookup
-from .sampling import Sampler, draft_tokens, gated, greedy_on_device, verify
+from . import on_device
+from .sampling import Sampler, draft_tokens, gated, verify
 from hetero_sd.backends.base import logits_of
 from .stats import Stats
 
@@ -240,23 +241,28 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
 
 
 def verify_on_device(r: Request, anchor: int, logits: torch.Tensor):
-    """verify_block at temperature 0 with nothing for the host to decide between draft and verify: the block's
-    argmax goes into the target's inputs on the device (TargetBackend.forward_block), greedy acceptance runs there
-    and the host reads (accepted, posterior, drafted, finite) once (sampling.greedy_on_device). The same verdict
-    as verify_block's. Non-finite draft logits show in that read: the step's tokens are the target's own choices
-    whatever was drafted, so they are emitted, and the fault is recorded for the loop to finish autoregressively.
-    Timing as verify_block's: on the device path the draft's span is its launch, so the step's seconds are the
+    """verify_block with nothing for the host to decide between draft and verify: the block's proposals are made
+    where the draft's logits are and go into the target's inputs on the device (TargetBackend.forward_block), the
+    verdict is computed there, and the host reads it once (on_device.py): the same tokens and accepted counts as
+    verify_block. Non-finite draft logits show in that read: the step is dropped (the target cropped back) and the
+    loop finishes autoregressively from the same anchor, as when checked() finds them first. Returns None then.
+    Timing as verify_block's; on the device path the draft's span is its launch, so the step's seconds are the
     whole step's (the draft's device work is waited for inside the verify)."""
     start = r.target.length
-    drafted = logits.argmax(-1)  # launched, not read
+    sampler = r.sampler.at(start + 1)  # row i: position start + 1 + i
+    drafted, q = on_device.proposals(sampler, logits, r.rule)  # launched, not read
     finite = torch.isfinite(logits.sum())  # (checked's reduction, read with the verdict)
     began = time.perf_counter()
 
     def verify_job():
         out = r.target.forward_block(anchor, drafted)
-        return out, greedy_on_device(out.logits, drafted, finite)
+        return out, on_device.verdict(sampler, out.logits, drafted, q, finite, r.rule)
 
-    out, (verdict, tokens, ok) = r.lanes.target("verify", verify_job)
+    out, (verdict, tokens) = r.lanes.target("verify", verify_job)
+    if verdict is None:
+        r.target.crop(start)
+        fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))
+        return None
     keep = verdict.accepted + 1
     r.target.crop(start + keep)
     r.stats.record_step(len(tokens), verdict.accepted)
@@ -264,8 +270,6 @@ def verify_on_device(r: Request, anchor: int, logits: torch.Tensor):
     r.policy.observe(len(tokens) + 1, len(tokens), verdict.accepted,
                      r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
     r.lanes.step += 1
-    if not ok:
-        fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))
     return Step(r.emit(verdict.tokens), verdict.accepted, len(tokens)), verdict, out.features[:keep]
 
 
@@ -288,15 +292,16 @@ def speculative(r: Request) -> Iterator[Step]:
             return
         if logits is None:
             continue
-        on_device = r.on_device and isinstance(logits, torch.Tensor)
-        step, verdict, verified = (verify_on_device if on_device else verify_block)(r, anchor, logits)
-        anchor = verdict.tokens[-1]
-        # a draft block took the pending features into the draft's context; a lookup block ran no draft
-        pending = pending + [verified] if isinstance(logits, Guessed) else [verified]
-        yield step
-        if r.stats.fallback is not None:  # the draft's logits were not finite (found in the step's one read)
+        verified = (verify_on_device if r.on_device and isinstance(logits, torch.Tensor) else verify_block)(
+            r, anchor, logits)
+        if verified is None:  # the draft's logits were not finite (found in the step's one read)
             yield from finish_autoregressive(r, anchor)
             return
+        step, verdict, features = verified
+        anchor = verdict.tokens[-1]
+        # a draft block took the pending features into the draft's context; a lookup block ran no draft
+        pending = pending + [features] if isinstance(logits, Guessed) else [features]
+        yield step
     keep_context(r, pending)
 
 

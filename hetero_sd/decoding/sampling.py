@@ -34,6 +34,16 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def uploaded(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. Up to a GPU from pinned memory: queued like a kernel, where a copy from pageable memory
+    makes the host wait for everything queued before it (a stall in the middle of a step)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -129,7 +139,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, offset: int | None = None, purpose: str = "sample") -> torch.Tensor:
         """One token per row by inverse CDF (float64, so a zero-probability token is never drawn)."""
-        u = torch.tensor(self.uniforms(probs.shape[0], offset, purpose), dtype=torch.float64, device=probs.device)
+        u = uploaded(torch.tensor(self.uniforms(probs.shape[0], offset, purpose), dtype=torch.float64), probs.device)
         # row by row: torch's CPU cumsum along the last dimension of a [3, 49152] float64 tensor took ~0.7 ms,
         # of one row ~0.035 ms (2-core Zen 5); each row's sums are the same either way (bitwise)
         idx = []
@@ -203,24 +213,6 @@ def verify(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int], q:
             accepted += 1
         return Verdict(accepted, drafted[:accepted] + [posterior[accepted]])
     return rejection(sampler, sampler.probs(target_logits, drafted), drafted, q.to(target_logits.device))
-
-
-def greedy_on_device(target_logits: torch.Tensor, drafted: torch.Tensor,
-                     finite: torch.Tensor) -> tuple[Verdict, list[int], bool]:
-    """Greedy verification where the logits and the drafted ids [n] stay on their device: the posterior (each row's
-    argmax, the first of ties as `argmax_rows`), the accepted prefix (drafts equal to it), and one copy of all of
-    it to the host, with the draft's `finite` flag. Returns (the verdict, the drafted ids, finite): the same
-    verdict as `verify` at temperature 0 without penalties or a grammar, read from the device once."""
-    n = drafted.shape[0]
-    posterior = target_logits.argmax(-1)  # [n + 1]
-    if drafted.device != posterior.device:  # a draft on the host beside an accelerator's target: its ids are here
-        tokens, ok, posterior = drafted.tolist(), bool(finite), posterior.tolist()
-        a = next((i for i in range(n) if tokens[i] != posterior[i]), n)
-    else:
-        accepted = (drafted == posterior[:n]).cumprod(0).sum()
-        read = torch.cat([accepted.view(1), finite.long().view(1), posterior, drafted]).tolist()
-        a, ok, posterior, tokens = read[0], bool(read[1]), read[2:2 + n + 1], read[2 + n + 1:]
-    return Verdict(a, tokens[:a] + [posterior[a]]), tokens, ok
 
 
 def matched(sampler: Sampler, target_logits: torch.Tensor, drafted: list[int]) -> Verdict:
