@@ -19,7 +19,9 @@ MAPPED = {"backends": "backends", "ane_compiler": "ane_compiler", "tui": "tui"} 
 
 def installed_layout(dest: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "data")
-    shutil.copytree(ROOT / "hetero_sd", dest / "hetero_sd", ignore=ignore)
+    # (a checkout laid out as the package, as benchmarks/gpu_check.py leaves one, links the mapped folders inside)
+    shutil.copytree(ROOT / "hetero_sd", dest / "hetero_sd",
+                    ignore=lambda folder, names: set(ignore(folder, names)) | (set(MAPPED) & set(names)))
     for name, folder in MAPPED.items():
         shutil.copytree(ROOT / folder, dest / "hetero_sd" / name, ignore=ignore)
     (dest / "hetero_sd" / "data").mkdir()
