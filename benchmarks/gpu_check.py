@@ -15,9 +15,9 @@ without capture): decode / verify-k / draft-block costs against floors from the 
 matmul peak. Then tokens/s of autoregressive decoding and of DFlash with an oracle draft: a z-lab-shaped random
 draft runs every block (its cost is paid) and its proposals are replaced by the target's own greedy continuation,
 all right (full acceptance) or the first `--stretch` right (a set acceptance); blocks 8 and 16; the draft on the
-GPU and on the host CPU; sequential and overlap schedules; on block 8 the sequential loop again with its
-acceptance on the host (`-host-acceptance`: each block read by the host twice, as before acceptance ran on the
-device). HF `generate` runs on the same weights and dtype. Each
+GPU and on the host CPU; sequential and overlap schedules; on block 8 at full acceptance the sequential loop
+again with its acceptance on the host (`-host-acceptance`: each block read by the host three times, as before
+acceptance ran on the device), and both sampling (`-t1`: temperature 1, the rejection rule). HF `generate` runs on the same weights and dtype. Each
 oracle row also gives what the measured step costs predict (tau / (verify + draft)) and the share of it reached.
 Rows past the time budget are skipped and listed; the JSON is rewritten after every row, so a cut-off call keeps
 what it measured."""
@@ -65,6 +65,7 @@ from hetero_sd.backends.base import WrappedDraft  # noqa: E402
 from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
 from hetero_sd.decoding import costs as cost_probe  # noqa: E402
+from hetero_sd.decoding.sampling import uploaded  # noqa: E402
 from hetero_sd.models.config import ArchConfig, DraftConfig  # noqa: E402
 from hetero_sd.models.draft_init import draft_config, random_layer_ids  # noqa: E402
 from hetero_sd.runtime import Runtime  # noqa: E402
@@ -116,14 +117,15 @@ class OracleDraft(WrappedDraft):
         at = self.inner.context_length if position is None else position
         n = logits.shape[0]
         right = n if self.right is None else self.right
-        # built where the draft's logits are: a [n, vocab] host tensor copied up per block cost ~1-3 ms, a
-        # captured verify step's size
-        truth = torch.tensor((self.sequence[at + 1:at + 1 + n] + [0] * n)[:n], device=logits.device)
+        # built where the draft's logits are (a [n, vocab] host tensor copied up per block cost ~1-3 ms, a
+        # captured verify step's size), and without a read of the device: the ids go up from pinned memory, and no
+        # boolean index (its shape is data: a sync), so that the oracle adds no stall a real draft does not have
+        truth = uploaded(torch.tensor((self.sequence[at + 1:at + 1 + n] + [0] * n)[:n]), logits.device)
         rows = torch.arange(n, device=logits.device)
         wrong = rows >= right
         out = torch.zeros(n, self.vocab, device=logits.device)
         out[rows, truth] = torch.where(wrong, 15.0, 20.0)  # where wrong, the truth is the second choice
-        out[rows[wrong], (truth[wrong] + 1) % self.vocab] = 20.0
+        out[rows, (truth + 1) % self.vocab] = torch.where(wrong, 20.0, 0.0)
         return out
 
 
@@ -339,18 +341,20 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
     costs = shape_costs if steps == a.modes[0] else shape_costs.get(steps, {})
     for block in a.blocks:
         for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
-            for schedule, acceptance in variants(a.schedules, block == a.blocks[0]):
+            for schedule, acceptance, sampled in variants(a.schedules, block == a.blocks[0] and right is None):
                 name = (f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}"
-                        f"{'-host-acceptance' * (acceptance == 'host')}/{steps}")
+                        f"{'-t1' * sampled}{'-host-acceptance' * (acceptance == 'host')}/{steps}")
                 if not check.fits(name, ROW_S):
                     continue
                 oracle = OracleDraft(draft, sequence, vocab, right)
                 rt = Runtime(target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0,
                              acceptance=acceptance)
-                out, secs = timed_generations(rt, prompt, a.tokens, a.runs)
+                kw = dict(temperature=1.0, seed=0, rule="rejection") if sampled else {}
+                out, secs = timed_generations(rt, prompt, a.tokens, a.runs, **kw)
                 s = out.stats
                 row = {"tok_s": len(out.token_ids) / secs, "tau": s.tau, "acceptance": s.acceptance,
-                       "identical_to_ar": out.token_ids == answers[steps], "ar_tok_s": e2e[key]["tok_s"]}
+                       "identical_to_ar": None if sampled else out.token_ids == answers[steps],
+                       "ar_tok_s": e2e[key]["tok_s"]}
                 row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
                 v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
                 if v and d and draft_device == a.device:
@@ -363,13 +367,17 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
     del target, draft
 
 
-def variants(schedules: list[str], headline: bool) -> list[tuple[str, str]]:
-    """(schedule, acceptance) of the oracle rows: each schedule with its acceptance on the device where it can be
-    (the sequential loop's; what 'auto' does on an accelerator, and on the CPU here too), and on the headline block
-    the sequential loop with its acceptance on the host: what the device's acceptance is worth, in one run."""
-    rows = [(schedule, "device") for schedule in schedules]
+def variants(schedules: list[str], headline: bool) -> list[tuple[str, str, bool]]:
+    """(schedule, acceptance, sampled) of the oracle rows: each schedule greedy with its acceptance on the device
+    where it can be (the sequential loop's; what 'auto' does on an accelerator, and on the CPU here too). On the
+    headline row (first block, full acceptance) the sequential loop also with its acceptance on the host, and both
+    again sampling (temperature 1, the rejection rule; `-t1`): what the device's acceptance is worth, in one run.
+    (Sampled, the oracle's proposals are the greedy transcript: acceptance is the target's p of it, tau is low, and
+    the rows measure the loop's cost per step.)"""
+    rows = [(schedule, "device", False) for schedule in schedules]
     if headline and "sequential" in schedules:
-        rows.insert(schedules.index("sequential") + 1, ("sequential", "host"))
+        at = schedules.index("sequential") + 1
+        rows[at:at] = [("sequential", "host", False), ("sequential", "device", True), ("sequential", "host", True)]
     return rows
 
 

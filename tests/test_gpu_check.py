@@ -29,10 +29,12 @@ def test_gpu_check_writes_every_row(tmp_path):
     rows = result["e2e"]
     assert rows["tiny/ar/graphs"]["tok_s"] > 0 and rows["tiny/hf-generate"]["same_tokens_as_ours"]
     oracle = {k: v for k, v in rows.items() if "/oracle-" in k}
-    # full and set acceptance x sequential (its acceptance on the device and on the host) and overlap x fixed and
-    # eager steps
-    assert len(oracle) == 12
-    assert all(v["identical_to_ar"] for v in oracle.values())
+    # (full and set acceptance x sequential and overlap, + full acceptance's sequential with host acceptance and
+    # both sampled) x fixed and eager steps
+    assert len(oracle) == 14
+    assert all(v["identical_to_ar"] for k, v in oracle.items() if "-t1" not in k)
+    assert {v["identical_to_ar"] for k, v in oracle.items() if "-t1" in k} == {None}
+    assert {v["acceptance"] for k, v in oracle.items() if "/sequential-t1/" in k} == {"device"}
     assert {v["acceptance"] for k, v in oracle.items() if "/sequential/" in k} == {"device"}
     assert {v["acceptance"] for k, v in oracle.items() if "/sequential-host-acceptance/" in k} == {"host"}
     assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/graphs"]["tau"] > 3.0
