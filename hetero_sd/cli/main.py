@@ -251,7 +251,8 @@ def cmd_generate(args) -> None:
     for note in stats.notes:
         err.print(f"[yellow]note:[/] {note}")
     err.print(f"[dim]{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
-              f"tau {stats.tau:.2f}, {mode_summary(stats)}, {stats.schedule}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
+              f"tau {stats.tau:.2f}, {mode_summary(stats)}, {stats.schedule}"
+              f"{', accepted on the device' * (stats.acceptance == 'device')}, ttft {stats.ttft_s * 1000:.0f} ms[/]")
     if args.trace:
         write_json(args.trace, chrome_trace([("generate", stats.timeline)]))
     if args.json:
