@@ -601,4 +601,10 @@ def oversubscription(target_device: str, draft_device: str) -> list[str]:
     if cpu_bound(target_device) and cpu_bound(draft_device) and 2 * torch.get_num_threads() > cores:
         return [f"both lanes on the CPU with {torch.get_num_threads()} torch threads each on {cores} cores: "
                 f"they will slow each other down (load with cpu_threads={max(1, cores // 2)})"]
+    placed = [(torch.device(d).type, torch.device(d).index or 0) for d in (target_device, draft_device)]
+    if accelerator(target_device) and placed[0] == placed[1]:
+        # both lanes queue on the device's one stream: a pre-draft waits for the verify it was to overlap
+        return [f"the draft and the target share {target_device}: its work runs in queue order, so pre-drafting "
+                "cannot overlap the verify and only adds work; schedule='sequential' accepts on the device in one read "
+                "a block, or place the draft on another device (draft_device='cpu')"]
     return []

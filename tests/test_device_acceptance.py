@@ -163,3 +163,12 @@ def test_where_acceptance_runs(tiny_llama, tiny_draft):
         "host (penalties, the verify gate)"
     with pytest.raises(InvalidArgumentError, match="acceptance must be one of"):
         hetero_sd.load(str(tiny_llama), str(tiny_draft), acceptance="gpu")
+
+
+def test_overlap_on_one_accelerator_is_announced():
+    """Pre-drafting on the device that verifies queues behind the verify: said, with what to do instead."""
+    from hetero_sd.runtime import oversubscription
+
+    note = oversubscription("cuda", "cuda:0")
+    assert len(note) == 1 and "cannot overlap" in note[0] and "schedule='sequential'" in note[0]
+    assert oversubscription("cuda:0", "cpu") == oversubscription("cuda:0", "cuda:1") == []
