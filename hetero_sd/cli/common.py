@@ -53,7 +53,8 @@ def load_runtime(args, schedules: list[str], target_device: str | None = None, d
                 verify_gate=getattr(args, "verify_gate", None), lookup=getattr(args, "lookup", LOOKUP_WEIGHT),
                 schedule=concurrent, cpu_threads=args.threads, policy=policy_from_env(),
                 system_prompt=getattr(args, "system_prompt", None),
-                chat_template_kwargs=getattr(args, "chat_template_kwargs", None))
+                chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
+                acceptance=getattr(args, "acceptance", "auto"))
 
 
 def write_json(path: str, data: dict, quiet: bool = False) -> None:

@@ -47,6 +47,9 @@ def add_model_args(p: argparse.ArgumentParser, draft_default: str) -> None:
     p.add_argument("--lookup", type=float, default=LOOKUP_WEIGHT, metavar="W",
                    help=f"weight of the context lookup in the draft's proposals (default {LOOKUP_WEIGHT}: the token that "
                         "followed the context's last 3, else 2, tokens earlier; 0: the draft's alone); lossless at any W")
+    p.add_argument("--acceptance", choices=("auto", "device", "host"), default="auto",
+                   help="where blocks are verified and accepted: 'device' (read by the host once a step), 'host', or "
+                        "'auto' (default: the device with the target on CUDA or MPS)")
     p.add_argument("--system-prompt", default=None, help="a system message put before chat prompts")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="""JSON object for the chat template, e.g. '{"enable_thinking": false}' (Qwen3's drafts """

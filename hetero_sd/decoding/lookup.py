@@ -182,6 +182,20 @@ class ContextLookup:
             out.append(g)
         return out
 
+    def path(self, count: int) -> tuple[list[int], list[dict[int, float]]]:
+        """The lookup's own path through the next `count` rows, for steering where the host does not read the
+        draft's tokens (on_device.steered): the token it takes at each row (its heaviest guess there, the context's
+        on a tie) and row i's guesses after the path's tokens before it. It ends at a row without a guess."""
+        tokens: list[int] = []
+        guesses: list[dict[int, float]] = []
+        while len(tokens) < count:
+            g = self.guesses(tokens)
+            if not g:
+                break
+            guesses.append(g)
+            tokens.append(max(g, key=g.get))
+        return tokens, guesses
+
     def steer(self, logits: torch.Tensor, drafted: list[int]) -> list[int]:
         """The most likely token of q' at each row, given the draft's argmax tokens `drafted` (rows are
         taken in order: row i's guesses follow the proposals of rows < i)."""

@@ -250,15 +250,19 @@ def verify_on_device(r: Request, anchor: int, logits: torch.Tensor):
     whole step's (the draft's device work is waited for inside the verify)."""
     start = r.target.length
     sampler = r.sampler.at(start + 1)  # row i: position start + 1 + i
-    drafted, q = on_device.proposals(sampler, logits, r.rule)  # launched, not read
-    finite = torch.isfinite(logits.sum())  # (checked's reduction, read with the verdict)
+    drafted, q, steered = on_device.proposals(sampler, logits, r.rule, r.lookup)  # launched, not read
+    # read with the verdict: checked()'s reduction, and the rows the lookup changed
+    checks = torch.stack([torch.isfinite(logits.sum()).long(), steered])
     began = time.perf_counter()
 
     def verify_job():
         out = r.target.forward_block(anchor, drafted)
-        return out, on_device.verdict(sampler, out.logits, drafted, q, finite, r.rule)
+        return out, on_device.verdict(sampler, out.logits, drafted, q, checks, r.rule)
 
-    out, (verdict, tokens) = r.lanes.target("verify", verify_job)
+    out, (verdict, tokens, (_, changed)) = r.lanes.target("verify", verify_job)
+    if r.lookup:
+        r.lookup.steered += changed
+        r.stats.lookup_drafts = r.lookup.steered
     if verdict is None:
         r.target.crop(start)
         fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))

@@ -1,46 +1,77 @@
 """A block's proposals and verdict computed where the logits are, read by the host once a step (loop.py,
 verify_on_device). The same tokens as draft_tokens and verify (sampling.py) compute on the host, by the same
 operations on the same values with the same keyed uniforms, so a seeded generation is token for token the one
-host acceptance gives: at temperature 0 (argmax), and when sampling under both rules. Only what needs the host
-between the draft and the verify stays out (penalties, a grammar, the context lookup, the verify gate, a DFlash2
-selector: Runtime.accepted_where)."""
+host acceptance gives: at temperature 0 (argmax), and when sampling under both rules. The context lookup steers
+greedy and `match` proposals here too, along its own path (`steered`: where the draft leaves that path, the
+proposals after it may differ from the host's; the verdict on them is the same rule's). Only what needs the host
+between the draft and the verify stays out (penalties, a grammar, the lookup under the rejection rule, the verify
+gate, a DFlash2 selector: Runtime.accepted_where)."""
 
 from __future__ import annotations
 
 import torch
 
+from .lookup import ContextLookup
 from .sampling import Sampler, Verdict, uploaded
 
 
-def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """draft_tokens without a read: the draft's argmax (temperature 0, or the match rule), or draws from its
-    distribution q (the rejection rule, which also needs q); on the draft's device, row i at position + i."""
+def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str,
+              lookup: ContextLookup | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """draft_tokens without a read: the draft's argmax (temperature 0, or the match rule), steered by the context
+    lookup's guesses (`steered`), or draws from its distribution q (the rejection rule, which also needs q); on
+    the draft's device, row i at position + i. Returns (the ids, q or None, how many rows the lookup changed)."""
     if sampler.params.greedy or rule == "match":
-        return draft_logits.argmax(-1), None
+        top = draft_logits.argmax(-1)
+        return (steered(draft_logits, top, *lookup.path(top.shape[0])) if lookup is not None
+                else (top, None, torch.zeros((), dtype=torch.long, device=top.device)))
     q = sampler.probs(draft_logits)
-    return sampler.draw(q, 0, "draft"), q
+    return sampler.draw(q, 0, "draft"), q, torch.zeros((), dtype=torch.long, device=q.device)
+
+
+def steered(logits: torch.Tensor, top: torch.Tensor, path: list[int], guesses: list[dict[int, float]]):
+    """lookup.steer where the draft's tokens stay on the device. Row i takes the likeliest token of
+    q' = (1 - w) q + w [guess] among the draft's own and the guesses (a tie keeps the draft's), as there, while the
+    rows before it took the lookup's own path (ContextLookup.path), whose guesses the host has looked up; past a row
+    that left the path, the draft's own tokens (the host would look guesses up after them, which it cannot do here
+    unread): another proposal, verified as any other. Returns (the ids, None, how many rows the lookup changed)."""
+    device, m = logits.device, len(path)
+    if m == 0:
+        return top, None, torch.zeros((), dtype=torch.long, device=device)
+    width = max(len(g) for g in guesses)  # padding: the row's path token again, weight 0
+    ids = uploaded(torch.tensor([list(g) + [p] * (width - len(g)) for g, p in zip(guesses, path)]), device)
+    w = uploaded(torch.tensor([list(g.values()) + [0.0] * (width - len(g)) for g in guesses]), device)
+    own = top[:m]
+    q = torch.softmax(logits[:m].float(), -1)  # (one fused pass: an exp and a sum apart took ~10x on a CPU)
+    candidates = torch.cat([own[:, None], ids], 1)  # column 0: the draft's own, which argmax keeps on a tie
+    extra = ((candidates[:, :, None] == ids[:, None, :]) * w[:, None, :]).sum(-1)
+    score = (1 - w.sum(-1, keepdim=True)) * q.gather(1, candidates) + extra
+    best = candidates.gather(1, score.argmax(-1, keepdim=True))[:, 0]
+    on_path = torch.cat([torch.ones(1, dtype=torch.long, device=device),
+                         (best == uploaded(torch.tensor(path), device))[:-1].long().cumprod(0)])
+    chosen = torch.where(on_path.bool(), best, own)
+    return torch.cat([chosen, top[m:]]), None, (chosen != own).sum()
 
 
 def verdict(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None,
-            finite: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int]]:
-    """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids), or
-    (None, the ids) where the draft's logits were not finite (`finite`, read with the rest): a block drawn from
-    them is no proposal to accept from."""
+            checks: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int], list[int]]:
+    """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids, the
+    `checks` read with them: [the draft's logits were finite, rows the lookup changed]). The verdict is None where
+    the draft's logits were not finite: a block drawn from them is no proposal to accept from."""
     device = target_logits.device
-    drafted, finite = uploaded(drafted, device), uploaded(finite, device)
+    drafted, checks = uploaded(drafted, device), uploaded(checks, device)
     if not sampler.params.greedy and rule == "rejection":
-        return rejected(sampler, target_logits, drafted, uploaded(q, device), finite)
+        return rejected(sampler, target_logits, drafted, uploaded(q, device), checks)
     # the target's token at each row: its argmax, or (match rule) its draw with the uniform of position + i
     posterior = target_logits.argmax(-1) if sampler.params.greedy else sampler.draw(sampler.probs(target_logits), 0)
-    n = drafted.shape[0]
+    n, c = drafted.shape[0], checks.shape[0]
     accepted = (drafted == posterior[:n]).cumprod(0).sum()
-    read = torch.cat([accepted.view(1), finite.long().view(1), posterior, drafted]).tolist()
-    a, tokens = read[0], read[3 + n:]
-    return (Verdict(a, tokens[:a] + [read[2 + a]]) if read[1] else None), tokens
+    read = torch.cat([accepted.view(1), checks, posterior, drafted]).tolist()
+    a, checked, tokens = read[0], read[1:1 + c], read[2 + c + n:]
+    return (Verdict(a, tokens[:a] + [read[1 + c + a]]) if checked[0] else None), tokens, checked
 
 
 def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor,
-             finite: torch.Tensor) -> tuple[Verdict | None, list[int]]:
+             checks: torch.Tensor) -> tuple[Verdict | None, list[int], list[int]]:
     """sampling.rejection with every candidate outcome computed on the device: each row's ratio p(d)/q(d), each
     row's correction drawn from its residual, and the bonus after a block accepted whole. The host compares the
     ratios with the keyed uniforms (float64, as there) and picks. Each residual is normalised on its own, as the host
@@ -56,12 +87,13 @@ def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tenso
         residuals.append(torch.where(total > 0, residual / total, p[i]))  # total 0 only where p == q, as there
     corrections = sampler.draw(torch.stack(residuals), 0, "residual")  # (a drafted block has a draft at least)
     bonus = sampler.draw(p[n:n + 1], n)
-    read = torch.cat([finite.double().view(1), ratio.double(), drafted.double(), corrections.double(),
-                      bonus.double()]).tolist()
-    ok, ratio, tokens, corrections = read[0], read[1:1 + n], [int(t) for t in read[1 + n:1 + 2 * n]], read[1 + 2 * n:]
-    if not ok:
-        return None, tokens
+    c = checks.shape[0]
+    read = torch.cat([checks.double(), ratio.double(), drafted.double(), corrections.double(), bonus.double()]).tolist()
+    checked, ratio = [int(x) for x in read[:c]], read[c:c + n]
+    tokens, corrections = [int(t) for t in read[c + n:c + 2 * n]], read[c + 2 * n:]
+    if not checked[0]:
+        return None, tokens, checked
     for i, r in enumerate(ratio):
         if sampler.uniform(p.device, i) >= r:
-            return Verdict(i, tokens[:i] + [int(corrections[i])]), tokens
-    return Verdict(n, tokens + [int(corrections[-1])]), tokens
+            return Verdict(i, tokens[:i] + [int(corrections[i])]), tokens, checked
+    return Verdict(n, tokens + [int(corrections[-1])]), tokens, checked
