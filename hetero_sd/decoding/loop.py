@@ -14,10 +14,10 @@ Schedules:
   the others are discarded unread. Pipelining two requests is the other overlap (Runtime.generate_many).
 
 Acceptance on the device: where nothing needs the host between a draft and its verification (no penalties,
-grammar, gate or lookup: the runtime decides, `Request.on_device`), the drafted ids go from the draft's argmax (or
-draws) into the target's inputs without the host reading them, the verdict is computed on the device, and the
-host reads one small tensor per step (`verify_on_device`, on_device.py). On an accelerator every read is a stall: the device idles
-while the host works out what comes next.
+grammar or gate: the runtime decides, `Request.on_device`), the drafted ids go from the draft's argmax or draws
+(steered by the context lookup along its own path) into the target's inputs without the host reading them, the
+verdict is computed on the device, and the host reads one small tensor per step (`verify_on_device`,
+on_device.py). On an accelerator every read is a stall: the device idles while the host works out what is next.
 
 Fault tolerance: if the draft raises or returns non-finite logits, the generation finishes
 autoregressively on the target from the same state, and the stats say so; no token is lost."""
