@@ -37,6 +37,17 @@ def test_bench_accepts_where_asked(tmp_path, tiny_llama, tiny_draft, acceptance)
     assert code == 0 and res["lossless"] and [p["acceptance"] for p in res["prompts"]] == [acceptance]
 
 
+def test_the_command_line_starts_without_the_web_stack_or_the_chat_app():
+    """A GPU machine's image has torch and transformers, not FastAPI, uvicorn or Textual: bench and generate must
+    start there (every subcommand's parser is built at start; the server and the app load when run)."""
+    code = ("import sys\n"
+            "for name in ('fastapi', 'uvicorn', 'starlette', 'pydantic', 'textual', 'llguidance'): sys.modules[name] = None\n"
+            "from hetero_sd.cli.main import main\n"
+            "sys.exit(main(['bench', '--help']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--acceptance" in out.stdout, out.stderr[-2000:]
+
+
 def test_devices_lists_the_cpu(capsys):
     assert main(["devices"]) == 0
     assert "cpu" in capsys.readouterr().out

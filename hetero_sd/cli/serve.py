@@ -8,8 +8,7 @@ import socket
 
 from hetero_sd import validate
 from hetero_sd.errors import InvalidArgumentError
-from hetero_sd.server.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES
-from hetero_sd.server.run import KEEP_ALIVE_S
+from hetero_sd.server.defaults import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BODY_BYTES
 
 from .common import err, load_runtime
 

@@ -18,11 +18,9 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .defaults import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY_BYTES  # noqa: F401 (the limits' values)
 from .errors import body, respond
 
-MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token conversation is ~0.5 MB of JSON; 32x that leaves room
-HEADER_TIMEOUT_S = 30.0
-BODY_TIMEOUT_S = 30.0
 CLOSE = {"Connection": "close"}
 
 

@@ -10,9 +10,8 @@ import signal
 import uvicorn
 
 from .app import Settings, create_app
+from .defaults import KEEP_ALIVE_S
 from .limits import HEADER_TIMEOUT_S, timed_protocol
-
-KEEP_ALIVE_S = 5.0  # uvicorn's default
 
 
 class Server(uvicorn.Server):
