@@ -12,8 +12,8 @@
 #   call 2, at once (the machine stays warm 30 s): bash benchmarks/gpu_pair.sh run
 #             carry [.gpu/b, hetero_sd/data/drafts]; timeout_s what is left; RUN_S seconds of benches (default 330)
 #   here:     bash benchmarks/gpu_pair.sh restore  # the tree as it was: DO THIS BEFORE ANY COMMIT
-# Anywhere, to check the script: OUT=/tmp/pair PY=.venv/bin/python DEVICE=cpu LIMIT=1 TOKENS=8 bash benchmarks/gpu_pair.sh run
-# (after pack and stash).
+# Anywhere, to check the script (after pack and stash; IMAGE hides what the GPU machine's image lacks):
+#   OUT=/tmp/pair PY=.venv/bin/python IMAGE=benchmarks/gpu_image DEVICE=cpu LIMIT=1 TOKENS=8 bash benchmarks/gpu_pair.sh run
 # `run` benches, in this order while RUN_S lasts (each run writes its own JSON to $OUT as its prompts finish; a run
 # that would not fit is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers; chat
 # with its acceptance on the host (the lookup's exact steering, three reads a block: what one read is worth against
@@ -68,9 +68,9 @@ run)
     G=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
     cat $STASH/gguf.xz.part-* | xz -dc > $G
     [ "$(sha256sum $G | cut -d' ' -f1)" = "$(cat .gpu/b/gguf.sha256)" ] || { log "the GGUF's parts do not join"; exit 1; }
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/b/wheels/*.whl || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/b/wheels/*.whl || exit 1
     for d in backends ane_compiler tui; do [ -e hetero_sd/$d ] || ln -s ../$d hetero_sd/$d; done
-    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HETERO_SD_HOME=$STASH/home
+    export PYTHONPATH=${IMAGE:+$IMAGE:}$PWD:/tmp/site PYTHONUNBUFFERED=1 HETERO_SD_HOME=$STASH/home
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/pair.log"
     deadline=$((began + ${RUN_S:-330}))
     bench() {  # NAME SECONDS ARGS...: one bench, if its estimate fits what is left
