@@ -50,8 +50,7 @@ def run_section(name: str, res: dict) -> list[str]:
              *(["**Interrupted**: only the prompts that finished are counted.", ""] if res.get("interrupted") else []),
              f"T={s['temperature']}, {s['max_new_tokens']} new tokens, {len(res['prompts'])} prompts; "
              f"lossless (identical to the baseline): {res['lossless']}", "",
-             "| prompts | baseline tok/s | DFlash tok/s | speedup | tau | loop share | loop-free tau | loop-free speedup |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table("prompts", "baseline tok/s", "DFlash tok/s", "speedup", "tau", "loop share", "loop-free tau", "loop-free speedup")]
     for cat, c in res.get("categories", {}).items():
         lines.append(f"| {cat or 'uncategorised'} ({c['prompts']}) | {c['baseline_tokens_per_s']:.1f} | {c['spec_tokens_per_s']:.1f} | "
                      f"{c['speedup']:.2f}x | {c['tau']:.2f} | {loop_cells(c)} |")
@@ -102,8 +101,8 @@ def peers_table(res: dict) -> list[str]:
     """Our two modes and every peer: tok/s, tau where reported, ratios theirs / ours, loop share, weights."""
     fractions = res.get("floor", {}).get("fraction_of_floor", {})
     base, spec = res["baseline_tokens_per_s"], res["spec_tokens_per_s"]
-    lines = ["| system | tok/s | tau | vs hetero-sd DFlash | vs hetero-sd autoregressive | loop share | "
-             "of its decode floor | reads | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = table("system", "tok/s", "tau", "vs hetero-sd DFlash", "vs hetero-sd autoregressive", "loop share",
+                  "of its decode floor", "reads", "note")
     share = pct(res.get("loops", {}).get("loop_share"))
     m = res["models"]
     source = f" (dequantised from {Path(m['gguf']).name})" if m.get("gguf") else ""
@@ -216,6 +215,11 @@ SHIPPED = ("e2", 20700)
 HELDOUT_LABELS = {"cpu-trained": "`cpu-trained` (shipped)", "ngram_floor": "1-3-gram table (no features)"}
 
 
+def table(*columns: str) -> list[str]:
+    """A Markdown table's header row and separator row."""
+    return ["|" + "|".join(f" {c} " if c else " " for c in columns) + "|", "|" + "|".join(" --- " for _ in columns) + "|"]
+
+
 def rel(path: Path) -> str:
     path = path.resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -274,8 +278,7 @@ def decode_section() -> list[str]:
              "plain and speculative decoding alternate prompt by prompt in one process. Lossless at T=0 means every "
              "output token-identical to plain decoding's; at T=1 the outputs are samples (their distribution is the "
              "target's, tested statistically in the test suite).", "",
-             "| file | machine | date | set | T | plain tok/s | hetero-sd tok/s | speedup | tau | lossless | target plan |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table("file", "machine", "date", "set", "T", "plain tok/s", "hetero-sd tok/s", "speedup", "tau", "lossless", "target plan")]
     for name in SOURCES["decode"]:
         path, doc = read(name)
         for res in doc["runs"]:
@@ -328,7 +331,7 @@ def grammar_section() -> list[str]:
     lines = ["## Constrained output (JSON schemas)", "",
              f"Mask cost per token of each grammar engine on {engines['tokenizer']}'s {engines['vocab_size']:,}-token "
              f"vocabulary, {engines['threads']} thread (`python benchmarks/json_schema_bench.py`):", "",
-             "| engine | version | mean mask us/token | exact on every schema |", "| --- | --- | --- | --- |"]
+             *table("engine", "version", "mean mask us/token", "exact on every schema")]
     for name, e in engines["engines"].items():
         runs = list(e.get("schemas", {}).values())
         if not runs:
@@ -339,8 +342,7 @@ def grammar_section() -> list[str]:
     sm = decode["summary"]
     lines += [f"The default pair on {len(decode['tasks'])} extraction prompts, T=0, {decode['max_new_tokens']} new "
               f"tokens, block {decode['block']} (`python benchmarks/json_schema_bench.py --decode`):", "",
-              "| output | plain tok/s | DFlash tok/s | speedup | tau | equal to plain decoding |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              *table("output", "plain tok/s", "DFlash tok/s", "speedup", "tau", "equal to plain decoding")]
     for kind in ("free", "json"):
         r = sm[kind]
         lines.append(f"| {'free text' if kind == 'free' else 'JSON schema'} | {r['plain_tokens_per_s']:.0f} | "
@@ -356,8 +358,7 @@ def costs_section() -> list[str]:
              "`hetero-sd bench --costs`: the default target's decode step, its verify of k tokens and the draft's block "
              "of b, at 512 tokens of context, each in ms and in decode steps; the decode step's floor is the bytes it "
              "must read at the bus speed measured in the same run.", "",
-             "| file | machine | date | bus GB/s | decode ms | of its floor | verify 2 / 4 / 8 / 16 (decode steps) | draft 2 / 4 / 8 (decode steps) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table("file", "machine", "date", "bus GB/s", "decode ms", "of its floor", "verify 2 / 4 / 8 / 16 (decode steps)", "draft 2 / 4 / 8 (decode steps)")]
     for name in SOURCES["costs"]:
         path, doc = read(name)
         c = doc["costs"]
@@ -372,7 +373,7 @@ def costs_section() -> list[str]:
         pr, dec = doc["prefill_tokens_per_s"], doc["decode_step_ms_after_prompt"]
         lines += ["### Prompt processing and the decode step against llama.cpp", "",
                   f"`{command_of(doc, path)}` (llama.cpp: {doc['llama_cpp']}, same GGUF, same tokens, same threads):", "",
-                  "| | prompt tokens/s | decode step after the prompt (ms) |", "| --- | --- | --- |"]
+                  *table("", "prompt tokens/s", "decode step after the prompt (ms)")]
         for k in pr:
             lines.append(f"| {'our ' + k + ' target' if k != 'llama.cpp' else 'llama.cpp'} | {pr[k]:.0f} | {dec[k]:.2f} |")
         lines += ["", source_line(path, doc), ""]
@@ -384,8 +385,7 @@ def agreement_section() -> list[str]:
              "Our int8 target against llama.cpp on the same GGUF, greedy, 128 tokens per prompt "
              "(`python benchmarks/llama_agreement.py`): where the two first differ, and whether it is at a near-tie "
              "(llama.cpp took our second choice).", "",
-             "| file | our target | prompts | identical | median first divergence (token) | divergences at our second choice | median top-2 margin there |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             *table("file", "our target", "prompts", "identical", "median first divergence (token)", "divergences at our second choice", "median top-2 margin there")]
     for name in SOURCES["agreement"]:
         path, doc = read(name)
         for variant, sm in doc["summary"].items():
@@ -403,8 +403,7 @@ def heldout_section() -> list[str]:
              "code; `python benchmarks/eval_heldout.py --draft cpu-trained --block-size B [--lookup 0.4]`): each row's "
              "first 64 answer tokens, a block accepting its leading tokens equal to the target's answer. Position 1: "
              "how often the first drafted token is right.", "",
-             "| file | draft | block | lookup | chat tau | chat position 1 | code tau | code position 1 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table("file", "draft", "block", "lookup", "chat tau", "chat position 1", "code tau", "code position 1")]
     for name in SOURCES["heldout"]:
         path, doc = read(name)
         for key, v in doc.items():
@@ -433,7 +432,7 @@ def controller_section() -> list[str]:
         path, doc = read(name)
         sets = doc["sets"]
         policies = list(next(iter(sets.values()))["tokens_per_decode_step"])
-        lines += ["| policy | " + " | ".join(sets) + " |", "| --- |" + " --- |" * len(sets)]
+        lines += table("policy", *sets)
         for pol in policies:
             lines.append(f"| {pol} | " + " | ".join(f"{sets[s]['tokens_per_decode_step'][pol]:.3f}" for s in sets) + " |")
         lines += ["", source_line(path, doc) + f" Draft: {doc['draft_format']}; an earlier step of the shipped draft's chain.", ""]
@@ -473,9 +472,8 @@ def chat_section() -> list[str]:
              f"tok/s, generate {m['generate_tok_s']:.0f}; shown speedup {m['chat_speedup']:.2f}x (over the chat's "
              f"baseline, {m['chat_baseline_tok_s']:.0f} tok/s), generate's {m['generate_speedup']:.2f}x "
              f"(AR {m['generate_ar_tok_s']:.0f} tok/s).", "",
-             "| round | generate tok/s | AR tok/s | chat tok/s | chat / generate | shown speedup | generate spec/AR | "
-             "chat baseline tok/s | screen thread CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *table("round", "generate tok/s", "AR tok/s", "chat tok/s", "chat / generate", "shown speedup",
+                    "generate spec/AR", "chat baseline tok/s", "screen thread CPU s")]
     for i, (r, p) in enumerate(zip(rounds, doc["per_round"]), 1):
         g, a, c = r["generate"], r["generate_ar"], r["chat"]
         lines.append(f"| {i} | {g['tok_s']:.0f} | {a['tok_s']:.0f} | {c['tok_s']:.0f} | {p['chat_over_generate']:.2f} | "
@@ -493,8 +491,7 @@ def acceptance_section() -> list[str]:
              "along its own path only, where the host looks up its guesses after every proposal "
              "(docs/decoding.md). The cost in tau, the default pair with fixed blocks, the acceptance forced each way "
              "on the CPU (`auto` keeps it on the host there; on a GPU the device's one read is what it buys):", "",
-             "| set | acceptance | tau | proposals the lookup changed | blocks | T=0 output identical |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             *table("set", "acceptance", "tau", "proposals the lookup changed", "blocks", "T=0 output identical")]
     docs = [read(name) for name in SOURCES["acceptance"]]
     for path, doc in docs:
         lookup = doc["schedules"][0]["lookup"]
@@ -512,8 +509,7 @@ def training_section() -> list[str]:
              "The learning curve of the chain that made `cpu-trained` (docs/training.md), by held-out simulated "
              "decoding (as above, on each run's snapshot with the full head) at every evaluated step: blocks trained "
              "and CPU-hours since the run's start.", "",
-             "| run | step | date | blocks trained | CPU-hours | block 2: chat / code position 1 | block 8: chat / code tau |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             *table("run", "step", "date", "blocks trained", "CPU-hours", "block 2: chat / code position 1", "block 8: chat / code tau")]
     for run, label in TRAINING_RUNS.items():
         eight = {p["step"]: p for p in json.loads((RESULTS / "training" / f"{run}-curve.json").read_text())["points"]}
         two = {p["step"]: p for p in json.loads((RESULTS / "training" / f"{run}-block2-curve.json").read_text())["points"]}
@@ -534,7 +530,7 @@ def training_section() -> list[str]:
               "### Training throughput", "",
               "`python benchmarks/train_throughput.py`: draft blocks trained per CPU-second by the trainer's own step "
               "loop (run D's recipe, block 8, features read from disk).", "",
-              "| file | machine | date | numerics | blocks per CPU-second |", "| --- | --- | --- | --- | --- |"]
+              *table("file", "machine", "date", "numerics", "blocks per CPU-second")]
     for name in SOURCES["throughput"]:
         path, doc = read(name)
         numerics = "bf16 autocast" if "bf16" in path.stem else "float32"
@@ -558,8 +554,7 @@ def gpu_section(path: Path | None = None) -> list[str]:
              f"`python3 benchmarks/gpu_check.py` on {doc['device']} (host {doc['host_cpu']}; torch {doc['torch']}, CUDA "
              f"{doc.get('cuda') or '-'}; {date}): random weights of each model's shape in {doc['dtype']}, "
              f"{doc['context']} tokens of context. Step costs, in ms and in decode steps:", "",
-             "| shape | steps | decode ms | of its floor | verify 8 / 16 (decode steps) | draft 8 / 16 (decode steps) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             *table("shape", "steps", "decode ms", "of its floor", "verify 8 / 16 (decode steps)", "draft 8 / 16 (decode steps)")]
     for shape, res in doc["shapes"].items():
         for row in (res, res.get("eager")):
             if not row or "decode_ms" not in row:
@@ -573,8 +568,7 @@ def gpu_section(path: Path | None = None) -> list[str]:
     lines += ["", f"End to end, {doc['new_tokens']} new tokens: an oracle draft runs every block (its cost is paid) and "
               "its proposals are the target's own greedy continuation (all right, or the first two right); "
               "`of prediction` is tok/s over what the step costs predict (tau / (verify + draft)).", "",
-              "| row | tok/s | tau | vs autoregressive | identical to autoregressive | of prediction |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              *table("row", "tok/s", "tau", "vs autoregressive", "identical to autoregressive", "of prediction")]
     for name, row in doc["e2e"].items():
         speed = row.get("speedup_vs_ar")
         same = {True: "yes", False: "**no**"}.get(row.get("identical_to_ar"), "-")
