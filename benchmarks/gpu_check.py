@@ -18,7 +18,8 @@ all right (full acceptance) or the first `--stretch` right (a set acceptance); b
 GPU and on the host CPU; sequential and overlap schedules; on block 8 at full acceptance the sequential loop
 again with its acceptance on the host (`-host-acceptance`: each block read by the host three times, as before
 acceptance ran on the device), and both sampling (`-t1`: temperature 1, the rejection rule). HF `generate` runs on the same weights and dtype. Each
-oracle row also gives what the measured step costs predict (tau / (verify + draft)) and the share of it reached.
+oracle row also gives what the measured step costs predict (tau / (context catch-up + draft + verify)) and the share
+of it reached.
 Rows past the time budget are skipped and listed; the JSON is rewritten after every row, so a cut-off call keeps
 what it measured."""
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -34,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import fields
+from functools import partial
 
 STARTED = time.monotonic()  # the budget counts from here: torch's import and CUDA's start are in the call's time
 ROW_S = 12.0  # an oracle row starts only with this much of the budget left (3 generations of 128 tokens, a 4B shape)
@@ -64,6 +67,7 @@ importable()
 from hetero_sd.backends.base import WrappedDraft  # noqa: E402
 from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
+from hetero_sd.backends.torch_backend.steps import bucket  # noqa: E402
 from hetero_sd.decoding import costs as cost_probe  # noqa: E402
 from hetero_sd.decoding.sampling import uploaded  # noqa: E402
 from hetero_sd.models.config import ArchConfig, DraftConfig  # noqa: E402
@@ -278,7 +282,8 @@ def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
     c = cost_probe.measure_costs(target, draft, context=a.context, ks=(1, 2, 4, 8, 16), blocks=(2, 4, 8, 16),
                                  repeats=a.repeats, machine=not res.get("floor_ms"))
     row = {"decode_ms": c.decode_s * 1e3, "verify_ms": {k: v * 1e3 for k, v in c.verify_s.items()},
-           "draft_ms": {b: v * 1e3 for b, v in c.draft_s.items()}, "steps": target.steps,
+           "draft_ms": {b: v * 1e3 for b, v in c.draft_s.items()},
+           "context_ms": {k: v * 1e3 for k, v in catch_up_s(target, draft, a).items()}, "steps": target.steps,
            "captured": bool(target.fixed and target.fixed.runner.captures), "draft_steps": draft.steps,
            "graphs_captured": {"target": target.fixed.runner.captures if target.fixed else 0,
                                "draft": draft.fixed.runner.captures if draft.fixed else 0}, "mode": target.mode,
@@ -296,6 +301,27 @@ def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
     check.log(f"{shape_name} {steps}: decode {row['decode_ms']:.3f} ms, verify-16 "
               f"{row['verify_x_decode'][16]:.2f}x, draft-8 {row['draft_x_decode'].get(8, 0):.2f}x")
     del target, draft
+
+
+def catch_up_s(target, draft, a) -> dict:
+    """Median seconds of the draft's context catch-up on k positions (k in the buckets 1-16): the third part of a
+    speculative step beside the draft block and the verify (the positions a verify accepted join the draft's
+    context before its next block), at the probe's context length."""
+    at_target, at_draft = target.length, draft.context_length
+    try:
+        cost_probe.fill_context(target, draft, a.context)
+        features = target.forward(cost_probe.fill_ids(16, target.config.vocab_size)).features
+        target.crop(target.length - 16)
+        base = draft.context_length
+
+        def catch_up(k):
+            draft.add_context(features[:k])
+            draft.crop(base)
+        return cost_probe.interleaved_medians({k: partial(catch_up, k) for k in (1, 2, 4, 8, 16)}, a.repeats,
+                                              draft.synchronize)
+    finally:
+        target.crop(at_target)
+        draft.crop(at_draft)
 
 
 def timed_generations(rt: Runtime, prompt: list[int], tokens: int, runs: int, **kw):
@@ -356,9 +382,12 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
                        "identical_to_ar": None if sampled else out.token_ids == answers[steps],
                        "ar_tok_s": e2e[key]["tok_s"]}
                 row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
+                # a step: the draft's catch-up on the positions the last verify kept (tau of them, as a captured
+                # bucket), the draft block and the verify of the block
                 v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
-                if v and d and draft_device == a.device:
-                    row["predicted_tok_s"] = s.tau / ((v + d) / 1e3)
+                cx = costs.get("context_ms", {}).get(bucket(math.ceil(s.tau)))
+                if v and d and cx is not None and draft_device == a.device:
+                    row["predicted_tok_s"] = s.tau / ((v + d + cx) / 1e3)
                     row["of_prediction"] = row["tok_s"] / row["predicted_tok_s"]
                 e2e[name] = row
                 check.log(f"{name}: {row['tok_s']:.1f} tok/s, tau {s.tau:.2f}"

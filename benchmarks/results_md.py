@@ -567,7 +567,7 @@ def gpu_section(path: Path | None = None) -> list[str]:
                          f"{' / '.join(f'{d[k]:.2f}' for k in ('8', '16') if k in d) or '-'} |")
     lines += ["", f"End to end, {doc['new_tokens']} new tokens: an oracle draft runs every block (its cost is paid) and "
               "its proposals are the target's own greedy continuation (all right, or the first two right); "
-              "`of prediction` is tok/s over what the step costs predict (tau / (verify + draft)).", "",
+              "`of prediction` is tok/s over what the step costs predict (tau / (context catch-up + draft + verify)).", "",
               *table("row", "tok/s", "tau", "vs autoregressive", "identical to autoregressive", "of prediction")]
     for name, row in doc["e2e"].items():
         speed = row.get("speedup_vs_ar")

@@ -133,21 +133,47 @@ def test_sampled_blocks_accepted_on_the_device_as_on_the_host(tiny_llama, tiny_d
     assert sum(run(device, p, **kw).stats.num_accepted_tokens for p in PROMPTS) > 0 or rule == "match"
 
 
+def test_the_next_block_is_launched_before_a_step_is_handed_on(tiny_llama, tiny_draft):
+    """On the device path a verified step's successor is drafted before the step is yielded, so the device drafts
+    while the caller handles the step; on the host path it is drafted after. Same tokens either way."""
+    from hetero_sd.backends.base import WrappedDraft
+
+    class Watched(WrappedDraft):
+        def propose(self, anchor, position=None, size=None):
+            seen.append(len(consumed))
+            return self.inner.propose(anchor, position, size)
+
+    outs = {}
+    for acceptance in ("host", "device"):
+        rt = load(tiny_llama, tiny_draft, "fixed", acceptance)
+        seen, consumed = [], []
+        for event in with_draft(rt, Watched(rt.draft), acceptance).stream(PROMPTS[0], max_new_tokens=MAX_NEW,
+                                                                            stop_at_eos=False):
+            consumed.append(event.token_ids)
+        outs[acceptance] = (seen, [t for ids in consumed for t in ids])
+    host_seen, device_seen = outs["host"][0], outs["device"][0]
+    assert host_seen == list(range(1, len(host_seen) + 1))  # block j drafted after j events were handed on
+    assert device_seen == [1] + list(range(1, len(device_seen)))  # ... and before the j-th, from the second block
+    assert outs["host"][1] == outs["device"][1]
+
+
+@pytest.mark.parametrize("kind", ["nan", "raise"])
 @pytest.mark.parametrize("at", [1, 3])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_non_finite_draft_logits_lose_no_token(tiny_llama, tiny_draft, at, temperature):
-    """NaN logits from the draft's `at`-th block, found in the step's one read: the step is dropped and the target
-    decodes the rest alone from the same anchor; the fault is in the stats. Seeded sampling then gives what the
+def test_non_finite_draft_logits_lose_no_token(tiny_llama, tiny_draft, at, temperature, kind):
+    """NaN logits from the draft's `at`-th block, found in the step's one read (or an error raised by it, also when
+    it was launched ahead of the step before): the step is dropped and the target decodes the rest alone from the
+    same anchor; the fault is in the stats. Seeded sampling then gives what the
     target alone gives (positions key the draws, whoever makes them)."""
     rt = load(tiny_llama, tiny_draft, "fixed", "device")
     prompt, kw = PROMPTS[1], dict(temperature=temperature, seed=4, rule="rejection")
     alone = run(rt, prompt, speculative=False, **kw).token_ids
-    out = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "device"), prompt, **kw)
+    out = run(with_draft(rt, FaultyDraft(rt.draft, at, kind), "device"), prompt, **kw)
     if temperature == 0:
         assert out.token_ids == alone
-    host = run(with_draft(rt, FaultyDraft(rt.draft, at, "nan"), "host"), prompt, **kw)
+    host = run(with_draft(rt, FaultyDraft(rt.draft, at, kind), "host"), prompt, **kw)
     assert out.token_ids == host.token_ids and len(out.token_ids) == MAX_NEW
-    assert "non-finite" in out.stats.fallback and out.stats.device_steps == at - 1
+    assert ("non-finite" if kind == "nan" else "injected") in out.stats.fallback and out.stats.device_steps == at - 1
     assert any("finishing this generation autoregressively" in n for n in out.stats.notes)
 
 
@@ -191,3 +217,20 @@ def test_overlap_on_one_accelerator_is_announced():
     note = oversubscription("cuda", "cuda:0")
     assert len(note) == 1 and "cannot overlap" in note[0] and "schedule='sequential'" in note[0]
     assert oversubscription("cuda:0", "cpu") == oversubscription("cuda:0", "cuda:1") == []
+
+
+def test_the_prefix_cache_keeps_what_a_closed_stream_left_with_a_block_launched_ahead(tiny_llama, tiny_draft):
+    """A stream closed while its next block was launched ahead (the draft's context already caught up, its block
+    never verified): the next generation reuses the caches and decodes what a fresh runtime decodes."""
+    rt, fresh = load(tiny_llama, tiny_draft, "fixed", "device"), load(tiny_llama, tiny_draft, "fixed", "host")
+    rt.prefix_cache = True
+    prompt = PROMPTS[1]
+    first = run(rt, prompt).token_ids
+    turn = prompt + first[:5]
+    stream = rt.stream(turn, max_new_tokens=MAX_NEW, stop_at_eos=False)
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    again = run(rt, turn + [7])
+    assert again.stats.num_cached_tokens > len(prompt)
+    assert again.token_ids == run(fresh, turn + [7]).token_ids

@@ -240,41 +240,71 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
     return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
 
 
-def verify_on_device(r: Request, anchor: int, logits: torch.Tensor):
-    """verify_block with nothing for the host to decide between draft and verify: the block's proposals are made
-    where the draft's logits are and go into the target's inputs on the device (TargetBackend.forward_block), the
-    verdict is computed there, and the host reads it once (on_device.py): the same tokens and accepted counts as
-    verify_block. Non-finite draft logits show in that read: the step is dropped (the target cropped back) and the
-    loop finishes autoregressively from the same anchor, as when checked() finds them first. Returns None then.
-    Timing as verify_block's; on the device path the draft's span is its launch, so the step's seconds are the
-    whole step's (the draft's device work is waited for inside the verify)."""
+@dataclass
+class Proposed:
+    """A block's proposals launched on the device, not read (propose_on_device): where the block starts, the sampler
+    at its first row, the ids, q (rejection rule) and what the verdict's read carries along."""
+
+    start: int
+    sampler: Sampler
+    drafted: torch.Tensor
+    q: torch.Tensor | None
+    checks: torch.Tensor
+
+
+def propose_on_device(r: Request, logits: torch.Tensor) -> Proposed:
+    """draft_tokens where the draft's logits are (on_device.proposals): launched, nothing read."""
     start = r.target.length
     sampler = r.sampler.at(start + 1)  # row i: position start + 1 + i
-    drafted, q, steered = on_device.proposals(sampler, logits, r.rule, r.lookup)  # launched, not read
+    drafted, q, steered = on_device.proposals(sampler, logits, r.rule, r.lookup)
     # read with the verdict: checked()'s reduction, and the rows the lookup changed
-    checks = torch.stack([torch.isfinite(logits.sum()).long(), steered])
+    return Proposed(start, sampler, drafted, q, torch.stack([torch.isfinite(logits.sum()).long(), steered]))
+
+
+def verify_on_device(r: Request, anchor: int, p: Proposed):
+    """verify_block with nothing for the host to decide between draft and verify: the proposals go into the target's
+    inputs on the device (TargetBackend.forward_block), the verdict is computed there, and the host reads it once
+    (on_device.py): the same tokens and accepted counts as verify_block. Non-finite draft logits show in that read:
+    the step is dropped (the target cropped back) and the loop finishes autoregressively from the same anchor, as
+    when checked() finds them first. Returns None then. Timing as verify_block's; on the device path the draft's
+    span is its launch, so the step's seconds are the whole step's (the draft's device work is waited for inside
+    the verify, or ran while the last step was being consumed)."""
     began = time.perf_counter()
 
     def verify_job():
-        out = r.target.forward_block(anchor, drafted)
-        return out, on_device.verdict(sampler, out.logits, drafted, q, checks, r.rule)
+        out = r.target.forward_block(anchor, p.drafted)
+        return out, on_device.verdict(p.sampler.at(p.start + 1), out.logits, p.drafted, p.q, p.checks, r.rule)
 
     out, (verdict, tokens, (_, changed)) = r.lanes.target("verify", verify_job)
     if r.lookup:
         r.lookup.steered += changed
         r.stats.lookup_drafts = r.lookup.steered
     if verdict is None:
-        r.target.crop(start)
+        r.target.crop(p.start)
         fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))
         return None
     keep = verdict.accepted + 1
-    r.target.crop(start + keep)
+    r.target.crop(p.start + keep)
     r.stats.record_step(len(tokens), verdict.accepted)
     r.stats.device_steps += 1
     r.policy.observe(len(tokens) + 1, len(tokens), verdict.accepted,
                      r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
     r.lanes.step += 1
     return Step(r.emit(verdict.tokens), verdict.accepted, len(tokens)), verdict, out.features[:keep]
+
+
+def ahead(r: Request, anchor: int, pending: list[torch.Tensor]):
+    """The next step's choice, and where it is a draft block, its device work launched now, before the step just
+    verified is yielded: the draft's catch-up, its block and the proposals run on the device while the host hands
+    the step on (the caller's work, text decoding, a stream's write). Returns ("size", the choice) for a plain or
+    lookup step, (the logits, their Proposed) for a launched block, or FAULT (the draft failed: recorded)."""
+    size = r.block_size()
+    if size == PLAIN or getattr(r.policy, "via_lookup", False):
+        return "size", size
+    logits = timed_draft(r, partial(next_block, r, pending, anchor, None, size))
+    if logits is None:
+        return FAULT
+    return logits, propose_on_device(r, logits)
 
 
 def first_token(r: Request):
@@ -288,16 +318,28 @@ def first_token(r: Request):
 
 def speculative(r: Request) -> Iterator[Step]:
     """Draft a block, verify it; or, when the controller says so, a plain decode step. `pending` holds
-    the context features the draft has not been given yet (it catches up on its next block)."""
+    the context features the draft has not been given yet (it catches up on its next block). On the device path
+    the next block is launched before a verified step is yielded (`ahead`)."""
     anchor, pending = yield from first_token(r)
+    launched = None  # what `ahead` returned for this step
     while not r.budget.done:
-        logits, anchor = yield from plain_or_drafted(r, anchor, pending, None)
-        if logits is FAULT:
+        proposed = None
+        if launched is FAULT:
+            yield from finish_autoregressive(r, anchor)
             return
-        if logits is None:
-            continue
-        verified = (verify_on_device if r.on_device and isinstance(logits, torch.Tensor) else verify_block)(
-            r, anchor, logits)
+        if launched is not None and launched[0] != "size":
+            logits, proposed = launched
+        else:
+            logits, anchor = yield from plain_or_drafted(r, anchor, pending, None,
+                                                         launched[1] if launched is not None else None)
+            if logits is FAULT:
+                return
+            if logits is None:
+                launched = None
+                continue
+            if r.on_device and isinstance(logits, torch.Tensor):
+                proposed = propose_on_device(r, logits)
+        verified = verify_on_device(r, anchor, proposed) if proposed is not None else verify_block(r, anchor, logits)
         if verified is None:  # the draft's logits were not finite (found in the step's one read)
             yield from finish_autoregressive(r, anchor)
             return
@@ -305,15 +347,21 @@ def speculative(r: Request) -> Iterator[Step]:
         anchor = verdict.tokens[-1]
         # a draft block took the pending features into the draft's context; a lookup block ran no draft
         pending = pending + [features] if isinstance(logits, Guessed) else [features]
+        launched = None
+        if proposed is not None and not r.budget.done:
+            launched = ahead(r, anchor, pending)
+            if launched is not FAULT and launched[0] != "size":
+                pending = []  # the launched block's catch-up took them
         yield step
     keep_context(r, pending)
 
 
-def plain_or_drafted(r: Request, anchor: int, pending: list[torch.Tensor], ready: torch.Tensor | None):
-    """This step as the controller chooses it: a plain decode step (yielded; returns (None, the new
-    anchor)) or the next block, pre-drafted (`ready`) or fresh (returns (its logits, the anchor)). A faulty
+def plain_or_drafted(r: Request, anchor: int, pending: list[torch.Tensor], ready: torch.Tensor | None,
+                     size: int | None = None):
+    """This step as the controller chooses it (or chose it: `size`): a plain decode step (yielded; returns (None,
+    the new anchor)) or the next block, pre-drafted (`ready`) or fresh (returns (its logits, the anchor)). A faulty
     draft: the rest of the generation autoregressively (yielded), and returns (FAULT, the anchor)."""
-    size = r.block_size()
+    size = r.block_size() if size is None else size
     if size == PLAIN:
         step, anchor = plain_step(r, anchor, pending)
         yield step
