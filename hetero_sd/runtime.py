@@ -423,16 +423,17 @@ class Runtime:
         return Lanes(self.target_lane, self.draft_lane, timeline, request)
 
     def generate_many(self, prompts: Sequence[Prompt], *, schedule: str = "pipeline", chat: bool = True,
-                      **kwargs) -> list[Generation]:
+                      stop_at_eos: bool | None = None, **kwargs) -> list[Generation]:
         """Generate for several prompts. "pipeline" runs two requests at once, so that one drafts on the
         draft device while the other verifies on the target device; others run one after another.
-        All generations share one timeline (stats.timeline) with a request number each."""
+        All generations share one timeline (stats.timeline) with a request number each. stop_at_eos as for
+        `stream` (None: text prompts stop at EOS, token ids run on), for every prompt."""
         self.check_open()
         validate.sampling(**{k: v for k, v in kwargs.items() if k in SAMPLING_KEYS})
         prompts = [validate.prompt(p) for p in validate.prompt_list(prompts)]
         encoded = [self.encode(p, chat) for p in prompts]
         timeline = Timeline()
-        jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, None), request=n)
+        jobs = [dict(prompt_ids=ids, notes=notes, stop_at_eos=stops_at_eos(p, stop_at_eos), request=n)
                 for n, (p, (ids, notes)) in enumerate(zip(prompts, encoded))]
         if schedule != "pipeline" or self.draft is None or len(jobs) < 2:
             return [self.collect(timeline=timeline, schedule=None if schedule == "pipeline" else schedule,

@@ -234,3 +234,13 @@ def test_the_prefix_cache_keeps_what_a_closed_stream_left_with_a_block_launched_
     again = run(rt, turn + [7])
     assert again.stats.num_cached_tokens > len(prompt)
     assert again.token_ids == run(fresh, turn + [7]).token_ids
+
+
+def test_pipelined_requests_accept_on_the_device(tiny_llama, tiny_draft):
+    """Two requests at once (each a sequential loop on its own thread and caches), both accepted on the device and
+    each launching ahead: the target's tokens for each; stop_at_eos applies to every prompt."""
+    rt = load(tiny_llama, tiny_draft, "fixed", "device")
+    alone = [run(rt, p, speculative=False).token_ids for p in PROMPTS]
+    outs = rt.generate_many(PROMPTS, schedule="pipeline", max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert [o.token_ids for o in outs] == alone
+    assert {o.stats.acceptance for o in outs} == {"device"} and all(o.stats.device_steps for o in outs)
