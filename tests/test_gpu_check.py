@@ -39,6 +39,16 @@ def test_gpu_check_writes_every_row(tmp_path):
     assert {v["acceptance"] for k, v in oracle.items() if "/sequential-host-acceptance/" in k} == {"host"}
     assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/graphs"]["tau"] > 3.0
     assert rows["tiny/oracle-right2-b4/cpu/cpu/overlap/eager"]["tau"] <= 3.0
+    assert set(tiny["context_ms"]) == {"1", "2", "4", "8", "16"}
+    assert all("of_prediction" in v for k, v in oracle.items() if "/sequential" in k)
+    # RESULTS.md's section reads it as written
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_md
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = "\n".join(results_md.gpu_section(tmp_path / "gpu_check.json"))
+    assert "| tiny | fixed-shape steps |" in page and "tiny/oracle-full-b4/cpu/cpu/sequential/graphs" in page
 
 
 def test_gpu_check_records_what_the_budget_left_out_and_a_failed_mode(tmp_path, monkeypatch):
