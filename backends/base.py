@@ -46,6 +46,17 @@ class SelectorBlock:
         return tokens, torch.zeros_like(self.logits).scatter(-1, candidates, q.float())
 
 
+def uploaded(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. Up to a GPU from pinned memory: queued like a kernel, where a copy from pageable memory
+    makes the host wait for everything queued before it (a stall in the middle of a step)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def logits_of(block) -> torch.Tensor:
     """The per-position logits of a drafted block, whichever format drafted it."""
     return block.logits if isinstance(block, SelectorBlock) else block

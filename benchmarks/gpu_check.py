@@ -64,12 +64,11 @@ def importable() -> None:
 
 importable()
 
-from hetero_sd.backends.base import WrappedDraft  # noqa: E402
+from hetero_sd.backends.base import WrappedDraft, uploaded  # noqa: E402
 from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
 from hetero_sd.backends.torch_backend.steps import bucket  # noqa: E402
 from hetero_sd.decoding import costs as cost_probe  # noqa: E402
-from hetero_sd.decoding.sampling import uploaded  # noqa: E402
 from hetero_sd.models.config import ArchConfig, DraftConfig  # noqa: E402
 from hetero_sd.models.draft_init import draft_config, random_layer_ids  # noqa: E402
 from hetero_sd.runtime import Runtime  # noqa: E402

@@ -38,6 +38,8 @@ light() {  # untrack LIGHT in the index only (files stay on disk, ignored), so t
 
 case "${1:-}" in
 pack)
+    # restore resets the index of LIGHT: changes staged there now would be lost with it
+    git diff --cached --quiet -- $LIGHT || { echo "gpu_pair.sh pack: changes under $LIGHT are staged; commit or unstage them first"; exit 1; }
     G=$(${PYH:-.venv/bin/python} -c "from hetero_sd.loading.default_model import embedded_gguf; print(embedded_gguf())") || exit 1
     rm -rf .gpu && mkdir -p .gpu/a .gpu/b/wheels
     xz -T2 -6 -c "$G" > /tmp/gguf.xz || exit 1

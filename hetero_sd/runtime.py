@@ -168,7 +168,7 @@ class Runtime:
         self.block = block  # "auto" (the controller), "fixed" (the draft's block size), or a size
         self.verify_gate = verify_gate  # None, or the draft probability below which drafts go unverified
         self.lookup = lookup  # the context lookup's weight in the draft's proposals (0: off)
-        self.acceptance = validate.acceptance(acceptance)  # where greedy blocks are accepted (accepted_where)
+        self.acceptance = validate.acceptance(acceptance)  # where blocks are accepted (accepted_where)
         self.corpus = corpus_table(info.get("draft"), self.notes) if draft is not None and lookup else None
         self.memory = memory  # the controller's costs and acceptance prior, kept across generations
         self.memory_lock = threading.Lock()  # two first requests must not both measure
@@ -539,7 +539,7 @@ def load(target: str = "default", draft: str | None = "default", *, target_devic
     the weights (backends/policy.py: GGUF blocks, fused ops, the GEMM kernel, the draft's int8 head); the
     default allows everything this machine runs; the CLI builds it from the HETERO_SD_* variables. draft="auto": the published draft of a
     known target (loading/pairs.py). system_prompt, chat_template_kwargs: the runtime's chat_options. acceptance:
-    where greedy blocks are verified and accepted, "device" (one read of the device a step), "host", or "auto" (the
+    where blocks are verified and accepted, "device" (one read of the device a step), "host", or "auto" (the
     device when the target is on CUDA or MPS; Runtime.accepted_where says when a generation needs the host).
     """
     validate.load_args(target=target, draft=draft, target_device=target_device, draft_device=draft_device,

@@ -285,7 +285,7 @@ ACCEPTANCE = ("auto", "device", "host")
 
 
 def acceptance(value) -> str:
-    """Where a block's greedy acceptance runs: 'device', 'host', or 'auto' (the device when the target is on an
+    """Where a block's acceptance runs: 'device', 'host', or 'auto' (the device when the target is on an
     accelerator: decoding/loop.verify_on_device)."""
     if value not in ACCEPTANCE:
         raise InvalidArgumentError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {value!r}",

@@ -16,7 +16,7 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.weights import converted_from, take
 
-from ..base import ModelWeights, TargetBackend, TargetOutput, gather_features
+from ..base import ModelWeights, TargetBackend, TargetOutput, gather_features, uploaded
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 
 from . import fused, quant8
@@ -185,12 +185,9 @@ class TorchTarget(CacheOwner, TargetBackend):
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)
         mask = None if count == 1 or not self.model.ops.needs_mask else self.causal_mask(start, count)
-        ids = torch.tensor([token_ids])
-        # from pinned memory the copy is queued like a kernel; from pageable memory torch waits for the stream
-        # (on a GPU: for the draft's block before this verify could even be launched)
-        ids = ids.pin_memory().to(self.device, non_blocking=True) if self.device.startswith("cuda") else ids
+        ids = uploaded(torch.tensor([token_ids]), self.device)  # (a pageable copy would wait for the draft's block)
         if tail is not None:
-            ids = torch.cat([ids, tail.to(self.device).view(1, -1)], 1)
+            ids = torch.cat([ids, uploaded(tail, self.device).view(1, -1)], 1)
         normed, captured = self.model(ids, self.cache, start, cos, sin, mask, self.capture if features else ())
         normed = normed[0, -1:] if last_only else normed[0]
         self.cache.length = start + count

@@ -242,11 +242,10 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
 
 @dataclass
 class Proposed:
-    """A block's proposals launched on the device, not read (propose_on_device): where the block starts, the sampler
-    at its first row, the ids, q (rejection rule) and what the verdict's read carries along."""
+    """A block's proposals launched on the device, not read (propose_on_device): where the block starts, the ids,
+    q (rejection rule) and what the verdict's read carries along."""
 
     start: int
-    sampler: Sampler
     drafted: torch.Tensor
     q: torch.Tensor | None
     checks: torch.Tensor
@@ -258,7 +257,7 @@ def propose_on_device(r: Request, logits: torch.Tensor) -> Proposed:
     sampler = r.sampler.at(start + 1)  # row i: position start + 1 + i
     drafted, q, steered = on_device.proposals(sampler, logits, r.rule, r.lookup)
     # read with the verdict: checked()'s reduction, and the rows the lookup changed
-    return Proposed(start, sampler, drafted, q, torch.stack([torch.isfinite(logits.sum()).long(), steered]))
+    return Proposed(start, drafted, q, torch.stack([torch.isfinite(logits.sum()).long(), steered]))
 
 
 def verify_on_device(r: Request, anchor: int, p: Proposed):
@@ -273,7 +272,7 @@ def verify_on_device(r: Request, anchor: int, p: Proposed):
 
     def verify_job():
         out = r.target.forward_block(anchor, p.drafted)
-        return out, on_device.verdict(p.sampler.at(p.start + 1), out.logits, p.drafted, p.q, p.checks, r.rule)
+        return out, on_device.verdict(r.sampler.at(p.start + 1), out.logits, p.drafted, p.q, p.checks, r.rule)
 
     out, (verdict, tokens, (_, changed)) = r.lanes.target("verify", verify_job)
     if r.lookup:

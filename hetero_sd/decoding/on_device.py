@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from hetero_sd.backends.base import uploaded
+
 from .lookup import ContextLookup
-from .sampling import Sampler, Verdict, uploaded
+from .sampling import Sampler, Verdict
 
 
 def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str,

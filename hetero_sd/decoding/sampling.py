@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hetero_sd.backends.base import SelectorBlock
+from hetero_sd.backends.base import SelectorBlock, uploaded
 
 from .penalties import History, min_p_filter, penalize
 
@@ -32,16 +32,6 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return np.argmax(logits.numpy(), axis=-1).tolist()
     return logits.argmax(-1).tolist()
-
-
-def uploaded(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`. Up to a GPU from pinned memory: queued like a kernel, where a copy from pageable memory
-    makes the host wait for everything queued before it (a stall in the middle of a step)."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass(frozen=True)
