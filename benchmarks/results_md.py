@@ -570,14 +570,19 @@ def gpu_section(path: Path | None = None) -> list[str]:
                          f"{' / '.join(f'{c[k] / dm:.2f}' for k in ('8', '16') if k in c) or '-'} |")
     lines += ["", f"End to end, {doc['new_tokens']} new tokens: an oracle draft runs every block (its cost is paid) and "
               "its proposals are the target's own greedy continuation (all right, or the first two right); "
-              "`of prediction` is tok/s over what the step costs predict (tau / (context catch-up + draft + verify)).", "",
-              *table("row", "tok/s", "tau", "vs autoregressive", "identical to autoregressive", "of prediction")]
+              "`tok/s` is end to end (the prompt's prefill included), `decode tok/s` the rate after the first token "
+              "(vLLM's 1 / TPOT). `of prediction` is decode tok/s over what the step costs predict "
+              "(tau / (context catch-up + draft + verify)), end-to-end tok/s over it in brackets.", "",
+              *table("row", "tok/s", "decode tok/s", "tau", "vs autoregressive", "identical to autoregressive",
+                     "of prediction")]
     for name, row in doc["e2e"].items():
         speed = row.get("speedup_vs_ar")
         same = {True: "yes", False: "**no**"}.get(row.get("identical_to_ar"), "-")
-        share = row.get("of_prediction")
-        lines.append(f"| {name} | {row['tok_s']:.1f} | {row['tau']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
-                     f"{same} | {'-' if share is None else f'{share:.2f}'} |")
+        share, e2e_share = row.get("of_prediction"), row.get("of_prediction_e2e")
+        decode = row.get("decode_tok_s")
+        lines.append(f"| {name} | {row['tok_s']:.1f} | {'-' if decode is None else f'{decode:.1f}'} | {row['tau']:.2f} | "
+                     f"{'-' if speed is None else f'{speed:.2f}x'} | {same} | {'-' if share is None else f'{share:.2f}'}"
+                     f"{'' if e2e_share is None else f' ({e2e_share:.2f})'} |")
     if doc.get("skipped"):
         lines += ["", "Skipped (time budget): " + "; ".join(doc["skipped"]) + "."]
     if doc.get("errors"):

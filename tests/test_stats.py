@@ -15,3 +15,10 @@ def test_acceptance_statistics_from_known_steps():
 
 def test_autoregressive_tau_is_one():
     assert Stats(mode="autoregressive", block_size=1).tau == 1.0
+
+
+def test_time_per_output_token_leaves_out_the_first_token():
+    s = Stats(num_generated_tokens=11, ttft_s=0.5, total_s=1.5)
+    assert s.tpot_s == 0.1  # ten tokens after the first, in the second after it
+    assert s.to_dict()["tpot_s"] == s.tpot_s
+    assert Stats(num_generated_tokens=1, ttft_s=0.5, total_s=0.5).tpot_s == 0.0  # no token after the first

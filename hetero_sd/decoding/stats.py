@@ -127,6 +127,13 @@ class Stats:
         return self.num_generated_tokens / self.total_s if self.total_s > 0 else 0.0
 
     @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (vLLM's TPOT): the decoding loop's own rate, without the prefill
+        and the first token's wait (TTFT) that end-to-end tokens/s include."""
+        n = self.num_generated_tokens - 1
+        return (self.total_s - self.ttft_s) / n if n > 0 and self.total_s > self.ttft_s else 0.0
+
+    @property
     def other_s(self) -> float:
         return max(self.total_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
 
@@ -171,5 +178,5 @@ class Stats:
                  draft_acceptance_rate=self.draft_acceptance_rate,
                  acceptance_rate_per_position=self.acceptance_rate_per_position,
                  acceptance_length_histogram=self.acceptance_length_histogram,
-                 tokens_per_s=self.tokens_per_s, other_s=self.other_s, tokens_by_mode=self.tokens_by_mode)
+                 tokens_per_s=self.tokens_per_s, tpot_s=self.tpot_s, other_s=self.other_s, tokens_by_mode=self.tokens_by_mode)
         return d
