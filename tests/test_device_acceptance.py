@@ -7,12 +7,16 @@ once a block; and a draft's non-finite logits, found in that read, must lose no 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hetero_sd
 from hetero_sd.backends.policy import LoadPolicy
 from hetero_sd.decoding import on_device
+from hetero_sd.decoding import sampling as sampling_module
 from hetero_sd.decoding.sampling import Sampler, SamplingParams, draft_tokens, verify
 from hetero_sd.errors import InvalidArgumentError
 from hetero_sd.runtime import Runtime
@@ -69,11 +73,14 @@ def test_device_acceptance_with_an_oracle_draft(tiny_llama, tiny_draft, correct)
 READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
-def test_one_read_of_the_device_a_block(tiny_llama, tiny_draft, monkeypatch):
+@pytest.mark.parametrize("sampled", [{}, dict(temperature=0.8, seed=3, rule="match"),
+                                     dict(temperature=1.0, top_p=0.9, seed=3, rule="rejection")])
+def test_one_read_of_the_device_a_block(tiny_llama, tiny_draft, monkeypatch, sampled):
     """Every way a tensor's value reaches the host, counted over a generation: one read at the prefill, one per
-    block (host acceptance reads the draft's block and then the verdict, and checks the draft's logits apart)."""
+    block (host acceptance reads the draft's block and then the verdict, and checks the draft's logits apart);
+    sampling too, under both rules (the rejection rule's first rejected row is found on the device)."""
     rt = load(tiny_llama, tiny_draft, "fixed", "device")
-    run(rt, PROMPTS[0])  # built and warmed outside the count
+    run(rt, PROMPTS[0], **sampled)  # built and warmed outside the count
     counts = {}
     for name in READS:
         real = getattr(torch.Tensor, name)
@@ -82,7 +89,7 @@ def test_one_read_of_the_device_a_block(tiny_llama, tiny_draft, monkeypatch):
             counts[name] = counts.get(name, 0) + 1
             return real(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    out = run(rt, PROMPTS[0])
+    out = run(rt, PROMPTS[0], **sampled)
     monkeypatch.undo()
     assert out.stats.plain_steps == 0 and out.stats.num_drafts > 2
     assert sum(counts.values()) == 1 + out.stats.num_drafts, counts
@@ -111,6 +118,36 @@ def test_verdicts_are_the_hosts(params, rule):
     assert outcomes == {"whole", "cut"}
     nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor([0, 0]), rule)
     assert nan == (None, want_drafted, [0, 0])
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten ops run under it: each is a kernel launched by the host on an accelerator."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8), SamplingParams(1.0, top_k=12, top_p=0.9)])
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_a_verdict_launches_as_many_kernels_whatever_the_block(params, rule, monkeypatch):
+    """On an accelerator every op of the verdict is a launch from the host: a block of 15 drafts costs the launches
+    of a block of 1 (draws in one scan; the rejection rule's first rejected row found on the device, one residual)."""
+    monkeypatch.setattr(sampling_module, "inverse_cdf", partial(sampling_module.inverse_cdf, one_scan=True))
+    monkeypatch.setattr(on_device, "inverse_cdf", partial(sampling_module.inverse_cdf, one_scan=True))
+    counts = []
+    for n in (1, 15):
+        g = torch.Generator().manual_seed(n)
+        target, draft = torch.randn(n + 1, 50, generator=g), torch.randn(n, 50, generator=g)
+        drafted, q, _ = on_device.proposals(Sampler(params, 1).at(4), draft, rule)
+        with Ops() as ops:
+            on_device.verdict(Sampler(params, 1).at(4), target, drafted, q, torch.tensor([1, 0]), rule)
+        counts.append(ops.count)
+    assert counts[0] == counts[1], counts
 
 
 SAMPLING = [dict(temperature=0.8, seed=11), dict(temperature=1.0, top_k=20, top_p=0.9, seed=5),

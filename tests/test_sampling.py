@@ -176,6 +176,22 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     assert sampling.argmax_rows(x)[1:4] == [7, 3001, 0]
 
 
+def test_draws_in_one_scan_are_the_row_by_row_draws():
+    """inverse_cdf on an accelerator scans all rows at once: the same tokens as row by row (the CPU's way), with
+    zero-probability tokens (never drawn, even at u = 0 or u near 1) and a one-hot row."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(9, 4099, generator=g) ** 4
+    probs[:, ::3] = 0  # zero-probability tokens, the first among them
+    probs[4] = 0
+    probs[4, 17] = 1  # one-hot
+    probs /= probs.sum(-1, keepdim=True)
+    u = torch.rand(9, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1 - 2 ** -53
+    one = sampling.inverse_cdf(probs, u, one_scan=True)
+    assert one.tolist() == sampling.inverse_cdf(probs, u, one_scan=False).tolist()
+    assert one[4] == 17 and (probs[torch.arange(9), one] > 0).all()
+
+
 @pytest.mark.parametrize("rule", ["rejection", "match"])
 def test_lookup_blocks_follow_the_target_distribution(pair, rule, monkeypatch):
     """Blocks of the lookup's guesses alone: a point mass on each guess, under either rule."""

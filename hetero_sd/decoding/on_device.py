@@ -1,7 +1,10 @@
 """A block's proposals and verdict computed where the logits are, read by the host once a step (loop.py,
 verify_on_device). The same tokens as draft_tokens and verify (sampling.py) compute on the host, by the same
 operations on the same values with the same keyed uniforms, so a seeded generation is token for token the one
-host acceptance gives: at temperature 0 (argmax), and when sampling under both rules. The context lookup steers
+host acceptance gives: at temperature 0 (argmax), and when sampling under both rules. (On an accelerator a block's
+rows are drawn in one scan, sampling.inverse_cdf: float64 sums that may differ from one row's own in the last bit,
+which moves a draw only where its uniform falls within that rounding of a token's boundary.) Its kernels are as
+many whatever the block's length: each is a launch by the host there. The context lookup steers
 greedy and `match` proposals here too, along its own path (`steered`: where the draft leaves that path, the
 proposals after it may differ from the host's; the verdict on them is the same rule's). Only what needs the host
 between the draft and the verify stays out (penalties, a grammar, the lookup under the rejection rule, the verify
@@ -14,7 +17,7 @@ import torch
 from hetero_sd.backends.base import uploaded
 
 from .lookup import ContextLookup
-from .sampling import Sampler, Verdict
+from .sampling import Sampler, Verdict, inverse_cdf
 
 
 def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str,
@@ -74,28 +77,27 @@ def verdict(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor
 
 def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor,
              checks: torch.Tensor) -> tuple[Verdict | None, list[int], list[int]]:
-    """sampling.rejection with every candidate outcome computed on the device: each row's ratio p(d)/q(d), each
-    row's correction drawn from its residual, and the bonus after a block accepted whole. The host compares the
-    ratios with the keyed uniforms (float64, as there) and picks. Each residual is normalised on its own, as the host
-    does it (a row's sum taken alone, not as one row of a batched reduction, whose order may differ)."""
-    n = drafted.shape[0]
+    """sampling.rejection on the device, in as many kernels whatever the block's length: each row's ratio p(d)/q(d)
+    against the host's keyed uniforms for accepting (float64, as there), the first rejected row `a` (n when none is),
+    and one draw: from row a's residual norm(max(p - q, 0)) with the residual's uniform of position + a, or from p's
+    row n with the sampling uniform of position + n (the bonus). The residual is row a's alone, normalised by its
+    own sum, as the host computes it; the draw is `draw`'s on one row."""
+    n, device = drafted.shape[0], target_logits.device  # n >= 1: the verify gate, which may keep none, is the host's
     p = sampler.probs(target_logits)
-    rows = torch.arange(n, device=p.device)
+    rows = torch.arange(n, device=device)
     ratio = p[rows, drafted] / q[rows, drafted]
-    residuals = []
-    for i in range(n):
-        residual = (p[i] - q[i]).clamp_min(0)
-        total = residual.sum()
-        residuals.append(torch.where(total > 0, residual / total, p[i]))  # total 0 only where p == q, as there
-    corrections = sampler.draw(torch.stack(residuals), 0, "residual")  # (a drafted block has a draft at least)
-    bonus = sampler.draw(p[n:n + 1], n)
+    keyed = uploaded(torch.tensor(sampler.uniforms(n, 0, "accept") + sampler.uniforms(n, 0, "residual")
+                                  + sampler.uniforms(1, n, "sample"), dtype=torch.float64), device)
+    a = (keyed[:n] < ratio.double()).long().cumprod(0).sum().view(1)  # accepted: the rows before the first rejection
+    row = p.index_select(0, a)[0]  # p at the first rejection, or the bonus's row n
+    residual = (row - q.index_select(0, a.clamp_max(n - 1))[0]).clamp_min(0)
+    total = residual.sum()
+    # total 0 only where p == q, where a rejection has probability zero (rounding): p's row, as there
+    row = torch.where((a < n) & (total > 0), residual / total, row)
+    token = inverse_cdf(row[None], keyed[n:].index_select(0, a))
     c = checks.shape[0]
-    read = torch.cat([checks.double(), ratio.double(), drafted.double(), corrections.double(), bonus.double()]).tolist()
-    checked, ratio = [int(x) for x in read[:c]], read[c:c + n]
-    tokens, corrections = [int(t) for t in read[c + n:c + 2 * n]], read[c + 2 * n:]
+    read = torch.cat([checks, a, drafted, token]).tolist()
+    checked, accepted, tokens = read[:c], read[c], read[c + 1:c + 1 + n]
     if not checked[0]:
         return None, tokens, checked
-    for i, r in enumerate(ratio):
-        if sampler.uniform(p.device, i) >= r:
-            return Verdict(i, tokens[:i] + [int(corrections[i])]), tokens, checked
-    return Verdict(n, tokens + [int(corrections[-1])]), tokens, checked
+    return Verdict(accepted, tokens[:accepted] + [read[-1]]), tokens, checked
