@@ -27,6 +27,7 @@ what it measured."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from functools import partial
 
 STARTED = time.monotonic()  # the budget counts from here: torch's import and CUDA's start are in the call's time
@@ -68,6 +69,7 @@ importable()
 from hetero_sd.backends.base import WrappedDraft, uploaded  # noqa: E402
 from hetero_sd.backends.policy import LoadPolicy  # noqa: E402
 from hetero_sd.backends.torch_backend import TorchTarget, load_draft  # noqa: E402
+from hetero_sd.backends.torch_backend.cpu import native_bf16  # noqa: E402
 from hetero_sd.backends.torch_backend.steps import bucket  # noqa: E402
 from hetero_sd.decoding import costs as cost_probe  # noqa: E402
 from hetero_sd.models.config import ArchConfig, DraftConfig  # noqa: E402
@@ -225,8 +227,8 @@ class Check:
         except Exception as e:
             self.result["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:400]}")
             self.log(f"error {name}: {type(e).__name__}: {e}")
-            if self.args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            self.save()
+            free_memory(self.args.device)
 
     def floors(self) -> None:
         dev, f = self.args.device, self.result["floors"]
@@ -236,6 +238,17 @@ class Check:
         self.log(f"floors {f}")
 
 
+def free_memory(device: str) -> None:
+    """Drop what is unreferenced (a backend's step objects hold it in cycles) and give the GPU's cached blocks back.
+    After a failed capture torch before 2.12 may refuse to empty its cache (pytorch#180395): the check goes on."""
+    gc.collect()
+    if device.startswith("cuda"):
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - a figure lost here is worth less than the rows after it
+            pass
+
+
 def build(check: Check, shape_name: str, steps: str, draft_device: str):
     """(HF model, our target, its draft on draft_device) on the same random weights."""
     a, dev, dtype = check.args, check.args.device, getattr(torch, check.args.dtype)
@@ -243,7 +256,7 @@ def build(check: Check, shape_name: str, steps: str, draft_device: str):
     model, cfg = check.hf if check.hf_shape == shape_name else (None, None)
     if model is None:
         check.hf = check.hf_shape = None
-        torch.cuda.empty_cache() if dev.startswith("cuda") else None
+        free_memory(dev)
         model, cfg = hf_model(shape, dev, dtype)
         check.hf, check.hf_shape = (model, cfg), shape_name
     folder = Path(tempfile.mkdtemp(prefix=f"gpu-check-{shape_name}-"))
@@ -257,7 +270,7 @@ def build(check: Check, shape_name: str, steps: str, draft_device: str):
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     target = TorchTarget(arch, tensors, folder, dev, dtype, dcfg.target_layer_ids, a.context + 2 * a.tokens + 64,
                          policy=policy(steps=steps), flags=frozenset())
-    d_dtype = dtype if draft_device == dev else getattr(torch, a.cpu_draft_dtype)
+    d_dtype = dtype if draft_device == dev else getattr(torch, check.result["cpu_draft_dtype"])
     draft = load_draft(folder, dcfg, target, draft_device, d_dtype, raw["dflash_config"]["mask_token_id"],
                        tensors=draft_tensors(raw, draft_device, d_dtype), int8_head=False,
                        policy=policy(steps=steps if draft_device == dev else "eager"))
@@ -343,63 +356,96 @@ def end_to_end(check: Check, shape_name: str) -> None:
         for draft_device in a.draft_devices:
             if draft_device != a.device and steps != a.modes[0]:
                 continue  # the CPU draft beside the GPU: the captured target only
-            check.attempt(f"e2e {shape_name} {steps} draft on {draft_device}",
-                          lambda steps=steps, d=draft_device: e2e_placement(check, shape_name, steps, d, answers))
-    if a.modes[0] in answers:
+            name = f"e2e {shape_name} {steps} draft on {draft_device}"
+            if check.fits(name, 2 * ROW_S):  # (its build and autoregressive row, then its oracle rows one by one)
+                check.attempt(name, lambda steps=steps, d=draft_device: e2e_placement(check, shape_name, steps, d,
+                                                                                      answers))
+            free_memory(a.device)
+    if a.modes[0] in answers and check.fits(f"e2e {shape_name} hf-generate", ROW_S):
         check.attempt(f"e2e {shape_name} hf-generate", lambda: hf_generate(check, shape_name, answers[a.modes[0]]))
 
 
+@dataclass
+class Placement:
+    """One placement's models and what its rows share: the prompt and the autoregressive transcript per step mode."""
+    check: Check
+    shape: str
+    steps: str
+    draft_device: str
+    target: object
+    draft: object
+    prompt: list
+    answers: dict
+
+
 def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, answers: dict) -> None:
-    """AR (once per step mode) and every oracle row of one placement, each timed after a warm-up of its own."""
+    """AR (once per step mode) and every oracle row of one placement, each timed after a warm-up of its own; a row
+    that raises is an error of that row, and the rows after it still run."""
     a = check.args
-    e2e, shape_costs = check.result["e2e"], check.result["shapes"].get(shape_name, {})
     _, target, draft = build(check, shape_name, steps, draft_device)
     vocab = target.config.vocab_size
     prompt = check.prompt = torch.randint(10, vocab - 1, (a.prompt,), generator=torch.Generator().manual_seed(3)).tolist()
-    place = f"{torch.device(a.device).type}/{torch.device(draft_device).type}"
+    p = Placement(check, shape_name, steps, draft_device, target, draft, prompt, answers)
     key = f"{shape_name}/ar/{steps}"
-    if key not in e2e:
-        plain = Runtime(target, None, NullTokenizer(), [], {"notes": []}, lookup=0)
-        base, secs, tpot = timed_generations(plain, prompt, a.tokens, a.runs, speculative=False)
-        e2e[key] = {"tok_s": len(base.token_ids) / secs, "decode_tok_s": 1 / tpot, "tau": 1.0}
-        answers[steps] = base.token_ids
-        check.log(f"{key}: {e2e[key]['tok_s']:.1f} tok/s")
-    sequence = prompt + answers[steps]
-    costs = shape_costs if steps == a.modes[0] else shape_costs.get(steps, {})
-    for block in a.blocks:
-        for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
-            for schedule, acceptance, sampled in variants(a.schedules, block == a.blocks[0] and right is None):
-                name = (f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}"
-                        f"{'-t1' * sampled}{'-host-acceptance' * (acceptance == 'host')}/{steps}")
-                if not check.fits(name, ROW_S):
-                    continue
-                oracle = OracleDraft(draft, sequence, vocab, right)
-                rt = Runtime(target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0,
-                             acceptance=acceptance)
-                kw = dict(temperature=1.0, seed=0, rule="rejection") if sampled else {}
-                out, secs, tpot = timed_generations(rt, prompt, a.tokens, a.runs, **kw)
-                s = out.stats
-                row = {"tok_s": len(out.token_ids) / secs, "decode_tok_s": 1 / tpot, "tau": s.tau,
-                       "acceptance": s.acceptance,
-                       "identical_to_ar": None if sampled else out.token_ids == answers[steps],
-                       "ar_tok_s": e2e[key]["tok_s"], "ar_decode_tok_s": e2e[key]["decode_tok_s"]}
-                row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
-                row["decode_speedup_vs_ar"] = row["decode_tok_s"] / row["ar_decode_tok_s"]
-                # a step: the draft's catch-up on the positions the last verify kept (tau of them, as a captured
-                # bucket), the draft block and the verify of the block. The prediction is the loop's steady rate,
-                # so it is set against the rate after the first token (the prefill, eager, and the first token's
-                # wait are in tok_s: of_prediction_e2e)
-                v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
-                cx = costs.get("context_ms", {}).get(bucket(math.ceil(s.tau)))
-                if v and d and cx is not None and draft_device == a.device:
-                    row["predicted_tok_s"] = s.tau / ((v + d + cx) / 1e3)
-                    row["of_prediction"] = row["decode_tok_s"] / row["predicted_tok_s"]
-                    row["of_prediction_e2e"] = row["tok_s"] / row["predicted_tok_s"]
-                e2e[name] = row
-                check.log(f"{name}: {row['tok_s']:.1f} tok/s, tau {s.tau:.2f}"
-                          + (f", {row['of_prediction']:.2f} of the prediction" if "of_prediction" in row else ""))
-                check.save()
-    del target, draft
+    if key not in check.result["e2e"]:
+        check.attempt(key, partial(ar_row, p, key))
+    if steps in answers:
+        place = f"{torch.device(a.device).type}/{torch.device(draft_device).type}"
+        for block in a.blocks:
+            for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
+                for schedule, acceptance, sampled in variants(a.schedules, block == a.blocks[0] and right is None):
+                    name = (f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}"
+                            f"{'-t1' * sampled}{'-host-acceptance' * (acceptance == 'host')}/{steps}")
+                    if check.fits(name, ROW_S):
+                        check.attempt(name, partial(oracle_row, p, name, block, right, schedule, acceptance, sampled))
+                        check.save()
+    del p, target, draft
+
+
+def ar_row(p: Placement, key: str) -> None:
+    plain = Runtime(p.target, None, NullTokenizer(), [], {"notes": []}, lookup=0)
+    base, secs, tpot = timed_generations(plain, p.prompt, p.check.args.tokens, p.check.args.runs, speculative=False)
+    p.check.result["e2e"][key] = {"tok_s": len(base.token_ids) / secs, "decode_tok_s": rate(tpot), "tau": 1.0}
+    p.answers[p.steps] = base.token_ids
+    p.check.log(f"{key}: {p.check.result['e2e'][key]['tok_s']:.1f} tok/s")
+
+
+def rate(tpot: float) -> float | None:
+    """Tokens a second from the time per output token (None where a generation gave no second token)."""
+    return 1 / tpot if tpot > 0 else None
+
+
+def oracle_row(p: Placement, name: str, block: int, right: int | None, schedule: str, acceptance: str,
+               sampled: bool) -> None:
+    a, e2e = p.check.args, p.check.result["e2e"]
+    shape_costs = p.check.result["shapes"].get(p.shape, {})
+    costs = shape_costs if p.steps == a.modes[0] else shape_costs.get(p.steps, {})
+    ar, answer = e2e[f"{p.shape}/ar/{p.steps}"], p.answers[p.steps]
+    oracle = OracleDraft(p.draft, p.prompt + answer, p.target.config.vocab_size, right)
+    rt = Runtime(p.target, oracle, NullTokenizer(), [], {"notes": []}, schedule, block, lookup=0, acceptance=acceptance)
+    kw = dict(temperature=1.0, seed=0, rule="rejection") if sampled else {}
+    out, secs, tpot = timed_generations(rt, p.prompt, a.tokens, a.runs, **kw)
+    s = out.stats
+    row = {"tok_s": len(out.token_ids) / secs, "decode_tok_s": rate(tpot), "tau": s.tau, "acceptance": s.acceptance,
+           "identical_to_ar": None if sampled else out.token_ids == answer,
+           "ar_tok_s": ar["tok_s"], "ar_decode_tok_s": ar["decode_tok_s"],
+           "fallback": s.fallback, "notes": s.notes[-3:]}  # a draft that failed: the target finished alone
+    row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
+    if row["decode_tok_s"] and row["ar_decode_tok_s"]:
+        row["decode_speedup_vs_ar"] = row["decode_tok_s"] / row["ar_decode_tok_s"]
+    # a step: the draft's catch-up on the positions the last verify kept (tau of them, as a captured bucket), the
+    # draft block and the verify of the block. The prediction is the loop's steady rate, so it is set against the
+    # rate after the first token (the prefill, eager, and the first token's wait are in tok_s: of_prediction_e2e)
+    v, d = costs.get("verify_ms", {}).get(block), costs.get("draft_ms", {}).get(block)
+    cx = costs.get("context_ms", {}).get(bucket(math.ceil(s.tau)))
+    if v and d and cx is not None and p.draft_device == a.device:
+        row["predicted_tok_s"] = s.tau / ((v + d + cx) / 1e3)
+        row["of_prediction"] = (row["decode_tok_s"] or 0.0) / row["predicted_tok_s"]
+        row["of_prediction_e2e"] = row["tok_s"] / row["predicted_tok_s"]
+    e2e[name] = row
+    p.check.log(f"{name}: {row['tok_s']:.1f} tok/s, tau {s.tau:.2f}"
+                + (f", {row['of_prediction']:.2f} of the prediction" if "of_prediction" in row else "")
+                + (f", FELL BACK: {s.fallback}" if s.fallback else ""))
 
 
 def variants(schedules: list[str], headline: bool) -> list[tuple[str, str, bool]]:
@@ -453,7 +499,11 @@ def cuda_tests(out: Path) -> int:
     if importlib.util.find_spec("pytest_timeout"):
         cmd.insert(3, "--timeout=300")
     with open(out / "cuda-tests.log", "w") as log:
-        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        try:  # (pytest-timeout may be missing there: the whole run has a limit of its own)
+            return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=520).returncode
+        except subprocess.TimeoutExpired:
+            log.write("\nstopped after 520 s\n")
+            return 124
 
 
 def main(argv=None) -> int:
@@ -461,7 +511,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", default="smollm2-135m,qwen3-4b,qwen3-8b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--cpu-draft-dtype", default="bfloat16", help="the draft's dtype on the host CPU")
+    p.add_argument("--cpu-draft-dtype", default="auto",
+                   help="the draft's dtype on the host CPU (auto: bfloat16 where the CPU multiplies it natively)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens of the end-to-end rows")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
@@ -489,6 +540,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}: use some of {', '.join(SHAPES)}")
     check = Check(a)
+    check.result["cpu_draft_dtype"] = (("bfloat16" if native_bf16() else "float32") if a.cpu_draft_dtype == "auto"
+                                       else a.cpu_draft_dtype)
     check.hf = check.hf_shape = None
     check.log(f"{check.result['device']}, torch {torch.__version__}, host {check.result['host_cpu']}")
     if a.device.startswith("cuda"):

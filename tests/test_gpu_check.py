@@ -73,10 +73,23 @@ def test_gpu_check_records_what_the_budget_left_out_and_a_failed_mode(tmp_path, 
         return real(check, shape, steps, res)
 
     monkeypatch.setattr(gpu_check, "measure_mode", fails_for_graphs)
+    real_row = gpu_check.oracle_row
+
+    def fails_for_overlap(p, name, *args):
+        if "/overlap/" in name:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return real_row(p, name, *args)
+
+    monkeypatch.setattr(gpu_check, "oracle_row", fails_for_overlap)
     assert gpu_check.main(tiny + ["--out", str(tmp_path / "one")]) == 0
     result = json.loads((tmp_path / "one" / "gpu_check.json").read_text())
-    assert result["errors"] == ["costs tiny graphs: RuntimeError: capture failed"]
+    assert result["errors"][0] == "costs tiny graphs: RuntimeError: capture failed"
     assert result["shapes"]["tiny"]["eager"]["decode_ms"] > 0
+    # a row that raises is that row's error: the rows after it in its placement still ran
+    failed = [e.split(":")[0] for e in result["errors"][1:]]
+    assert failed and all("/overlap/" in e for e in failed)
+    assert "tiny/oracle-right2-b4/cpu/cpu/sequential/graphs" in result["e2e"]
+    assert all(row["fallback"] is None for k, row in result["e2e"].items() if "/oracle-" in k)
 
 
 def test_gpu_check_runs_with_only_what_the_gpu_machine_has(tmp_path):

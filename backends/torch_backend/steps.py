@@ -54,6 +54,11 @@ def steps_mode(asked: str, device: str, torch_ops: bool) -> tuple[str, str | Non
 
 
 CAPTURE = threading.Lock()
+FIX = "HETERO_SD_STEPS=fixed (or eager) runs the steps without capturing them"
+# Why no capture is tried again in a process after one failed: torch before 2.12 leaves its allocator believing a
+# capture is under way when cudaStreamEndCapture fails (pytorch#180395), and every later torch.cuda.graph, which
+# empties the cache on entry, then fails on an internal assert that would hide the first, real error.
+failed_capture: list[str] = []
 
 
 class Runner:
@@ -88,6 +93,9 @@ class Runner:
         # one capture at a time in a process (torch's rule: they share its capture stream); a target and a
         # draft on two lanes may both meet a new shape at once
         with CAPTURE, torch.cuda.device(self.device):
+            if failed_capture:
+                raise DeviceFailedError(f"no step is captured as a CUDA graph in this process after a capture "
+                                        f"failed ({failed_capture[0]})", FIX)
             return self.capture_here(fn)
 
     def capture_here(self, fn):
@@ -104,8 +112,9 @@ class Runner:
                 outputs = fn()
         except Exception as e:
             torch.cuda.set_stream(before)  # a failed capture_end leaves the capture stream current
-            raise DeviceFailedError(f"capturing a step as a CUDA graph failed on {self.device} ({type(e).__name__}: {e})",
-                                    "HETERO_SD_STEPS=fixed (or eager) runs the steps without capturing them") from e
+            failed_capture.append(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")  # (CUDA's run over lines)
+            raise DeviceFailedError(f"capturing a step as a CUDA graph failed on {self.device} ({failed_capture[-1]})",
+                                    FIX) from e
         self.pool = graph.pool()  # every bucket's graph shares one memory pool
         self.captures += 1
         return graph, outputs

@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.base import DraftBackend, TargetBackend, uploaded
 
 from .controller import PLAIN, AutoBlock, FixedBlock
 from .lanes import Lanes
@@ -449,14 +449,16 @@ def hypotheses(logits: torch.Tensor, drafted: list[int], limit: int) -> list[tup
     if not drafted:  # a gated block with nothing to verify: a plain step's outcome, no guess needed
         return []
     logp = logits_of(logits)[:len(drafted)].float().log_softmax(-1)  # DFlash2: the unary scores, an approximation
-    n, drafted = logp.shape[0], torch.tensor(drafted)  # (a gated block: its verified rows only)
-    rows = torch.arange(n)
-    prefix = torch.cat([torch.zeros(1), logp[rows, drafted].cumsum(0)[:-1]])
-    others = logp.index_put((rows, drafted), torch.tensor(float("-inf")))
+    # where the draft's logits are (a GPU draft's: one small read at the end, not its [n, vocab] rows)
+    n, device = logp.shape[0], logp.device  # (a gated block: its verified rows only)
+    drafted = uploaded(torch.tensor(drafted[:n]), device)
+    rows = torch.arange(n, device=device)
+    prefix = torch.cat([logp.new_zeros(1), logp[rows, drafted].cumsum(0)[:-1]])
+    others = logp.index_put((rows, drafted), logp.new_tensor(float("-inf")))
     k = min(limit, others.shape[-1] - 1)
     top = others.topk(k, -1)
     best = (prefix[:, None] + top.values).flatten().topk(min(limit, n * k)).indices
-    return [(int(i // k), int(top.indices[i // k, i % k])) for i in best]
+    return [(j, c) for j, c in torch.stack([best // k, top.indices.flatten()[best]], 1).tolist()]
 
 
 class Pace:
