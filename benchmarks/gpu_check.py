@@ -191,7 +191,7 @@ class Check:
                        "host_cpu": cost_probe.cpu_name(), "torch": torch.__version__,
                        "cuda": torch.version.cuda, "python": platform.python_version(),
                        "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                       "dtype": args.dtype, "context": args.context, "new_tokens": args.tokens,
+                       "dtype": args.dtype, "context": args.context, "prompt": args.prompt, "new_tokens": args.tokens,
                        "floors": {}, "shapes": {}, "e2e": {}, "skipped": [], "errors": []}
 
     def log(self, msg: str) -> None:
@@ -296,7 +296,8 @@ def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
                                  repeats=a.repeats, machine=not res.get("floor_ms"))
     row = {"decode_ms": c.decode_s * 1e3, "verify_ms": {k: v * 1e3 for k, v in c.verify_s.items()},
            "draft_ms": {b: v * 1e3 for b, v in c.draft_s.items()},
-           "context_ms": {k: v * 1e3 for k, v in catch_up_s(target, draft, a).items()}, "steps": target.steps,
+           "context_ms": {k: v * 1e3 for k, v in catch_up_s(target, draft, a).items()},
+           "prefill_ms": prefill_s(target, a) * 1e3, "steps": target.steps,
            "captured": bool(target.fixed and target.fixed.runner.captures), "draft_steps": draft.steps,
            "graphs_captured": {"target": target.fixed.runner.captures if target.fixed else 0,
                                "draft": draft.fixed.runner.captures if draft.fixed else 0}, "mode": target.mode,
@@ -312,7 +313,8 @@ def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
     else:
         res[steps] = row
     check.log(f"{shape_name} {steps}: decode {row['decode_ms']:.3f} ms, verify-16 "
-              f"{row['verify_x_decode'][16]:.2f}x, draft-8 {row['draft_x_decode'].get(8, 0):.2f}x")
+              f"{row['verify_x_decode'][16]:.2f}x, draft-8 {row['draft_x_decode'].get(8, 0):.2f}x, "
+              f"prefill-{a.prompt} {row['prefill_ms']:.2f} ms")
     del target, draft
 
 
@@ -335,6 +337,20 @@ def catch_up_s(target, draft, a) -> dict:
     finally:
         target.crop(at_target)
         draft.crop(at_draft)
+
+
+def prefill_s(target, a) -> float:
+    """Median seconds of the end-to-end rows' prefill (--prompt tokens into an empty cache): what the first token
+    waits for (in chunks of captured steps, or one eager forward)."""
+    ids = cost_probe.fill_ids(a.prompt, target.config.vocab_size)
+
+    def prefill():
+        target.crop(0)
+        target.forward(ids, last_only=True)
+    try:
+        return cost_probe.interleaved_medians({"prefill": prefill}, a.repeats, target.synchronize)["prefill"]
+    finally:
+        target.crop(0)
 
 
 def timed_generations(rt: Runtime, prompt: list[int], tokens: int, runs: int, **kw):

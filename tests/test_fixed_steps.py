@@ -9,7 +9,7 @@ import torch
 
 import hetero_sd
 from hetero_sd.backends.policy import LoadPolicy
-from hetero_sd.backends.torch_backend.steps import BUCKETS, bucket, steps_mode
+from hetero_sd.backends.torch_backend.steps import BUCKETS, PREFILL, bucket, steps_mode
 
 PROMPTS = [[5, 9, 12, 7], [33, 2, 40, 41, 8, 19, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 34, 35], [60, 61]]
 MAX_NEW = 40
@@ -69,6 +69,31 @@ def test_fixed_verify_logits_match_eager(tiny_llama, tiny_draft, count):
     torch.testing.assert_close(fv.logits, ev.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fv.features, ev.features, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fa.logits, ea.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prompt_is_prefilled_in_padded_chunks(tiny_llama, tiny_draft):
+    """A prompt past the largest step bucket goes through in chunks of PREFILL[-1] rows, the last one padded up to
+    its bucket: every row's logits and context features as the eager prefill's, the last row alone where only it is
+    asked for, and the generation after it the eager one's."""
+    prompt = [(7 * i) % 60 + 4 for i in range(2 * PREFILL[-1] + 37)]
+    eager, fixed = (load(tiny_llama, tiny_draft, policy=p) for p in (EAGER, FIXED))
+    steps, rows = fixed.target.fixed, []
+    step = steps.step
+    steps.step = lambda n, t: rows.append(n) or step(n, t)
+    want, got = eager.target.forward(prompt), fixed.target.forward(prompt)
+    assert rows == [PREFILL[-1], PREFILL[-1], 64]  # 37 rows left: the bucket of 64
+    assert got.logits.shape == want.logits.shape and got.features.shape == want.features.shape
+    # (float32 sums in other shapes over 293 positions: within 1e-4, as the CUDA test holds captured steps)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.features, want.features, atol=1e-4, rtol=1e-4)
+    fixed.target.crop(0)
+    last = fixed.target.forward(prompt, last_only=True)
+    assert fixed.target.length == len(prompt) and last.logits.shape[0] == 1
+    torch.testing.assert_close(last.logits, got.logits[-1:], atol=0, rtol=0)
+    for rt in (eager, fixed):
+        rt.target.crop(0)
+    runs = [rt.generate(prompt, max_new_tokens=24, stop_at_eos=False) for rt in (eager, fixed)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[1].stats.num_drafts > 0
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlap"])

@@ -40,6 +40,7 @@ def test_gpu_check_writes_every_row(tmp_path):
     assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/graphs"]["tau"] > 3.0
     assert rows["tiny/oracle-right2-b4/cpu/cpu/overlap/eager"]["tau"] <= 3.0
     assert set(tiny["context_ms"]) == {"1", "2", "4", "8", "16"}
+    assert tiny["prefill_ms"] > 0 and tiny["eager"]["prefill_ms"] > 0
     assert all("of_prediction" in v and "of_prediction_e2e" in v for k, v in oracle.items() if "/sequential" in k)
     assert all(v["decode_tok_s"] > 0 for v in rows.values())  # the loop's own rate, after the first token
     # RESULTS.md's section reads it as written

@@ -1,6 +1,7 @@
 """Steps of fixed shape: the target's decode and verify steps and a draft's block and context catch-up as
 functions of device tensors alone (token ids, RoPE positions, cache slots), over K/V caches that grow by
-doubling, with row counts rounded up to a few buckets and the attended slots up to a power of two (a tier). No
+doubling, with row counts rounded up to a few buckets (a prompt in chunks of up to 128 rows) and the attended
+slots up to a power of two (a tier). No
 value of a step is read back by the host inside it, so on CUDA each (kind, rows, tier) is captured once as a CUDA
 graph and replayed: one launch where an eager batch-1 step launches a few hundred small kernels, each waiting on
 the host (launch-bound on a GPU).
@@ -27,6 +28,10 @@ from hetero_sd.errors import DeviceFailedError
 from .layers import KVCache, Rope, TorchOps, rms_norm
 
 BUCKETS = (1, 2, 4, 8, 16)  # row counts a step is captured for: decode, verify-k, a draft's catch-up
+# A prompt's rows go through the target in chunks of these (the last one padded up): eager, a prefill is as many
+# launches as a decode step whatever its length (~20 ms for the 135M default on an H200 VM, all of it before the
+# first token), captured one launch a chunk
+PREFILL = (32, 64, 128)
 MODES = ("auto", "eager", "fixed", "graphs")
 
 
@@ -177,19 +182,20 @@ class TargetSteps:
 
     def __init__(self, model, cache: KVCache, rope: Rope, capture: frozenset, gather, mode: str):
         self.model, self.cache, self.capture, self.gather = model, cache, capture, gather
-        self.inputs = torch.zeros(2, BUCKETS[-1], dtype=torch.long, device=cache.device)
+        self.inputs = torch.zeros(2, PREFILL[-1], dtype=torch.long, device=cache.device)
         self.ops = FixedOps(model.config.rms_norm_eps)
         self.runner = Runner(mode, cache.device)
         self.slots = Slots(cache, rope, self.runner)
 
-    def __call__(self, token_ids: Sequence[int], start: int,
-                 tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(float32 logits [count, vocab], context features [count, L*H] or None) of up to the largest bucket's
-        rows at positions start..: copies, safe to keep past the next step. `tail`: ids after token_ids that are
-        already on a device (a drafted block's argmax), copied into the inputs there, never read by the host."""
+    def __call__(self, token_ids: Sequence[int], start: int, tail: torch.Tensor | None = None,
+                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(float32 logits [count, vocab] (or the last row's), context features [count, L*H] or None) of up to
+        PREFILL[-1] rows at positions start..: copies, safe to keep past the next step. `tail`: ids after token_ids
+        that are already on a device (a drafted block's argmax), copied into the inputs there, never read by the
+        host."""
         head = len(token_ids)
         count = head + (0 if tail is None else tail.shape[0])
-        rows = bucket(count)
+        rows = bucket(count, BUCKETS + PREFILL)
         t = self.slots.prepare(start + rows, start + rows)
         host = host_rows((2, rows), self.inputs.device)
         host[0, :head] = torch.as_tensor(list(token_ids))
@@ -202,7 +208,20 @@ class TargetSteps:
         if tail is not None and not on_host:
             self.inputs[0, head:count].copy_(tail)  # device to device, in stream order after the host's copy
         logits, features = self.runner.run((rows, t), lambda: self.step(rows, t))
-        return logits[:count].clone(), None if features is None else features[:count].clone()
+        return (logits[count - 1:count] if last_only else logits[:count]).clone(), \
+            None if features is None else features[:count].clone()
+
+    def prefill(self, token_ids: Sequence[int], start: int, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt of any length in chunks of PREFILL[-1] rows: (the logits of every row, or the last one, and the
+        context features of every row)."""
+        logits, features = [], []
+        for at in range(0, len(token_ids), PREFILL[-1]):
+            chunk = token_ids[at:at + PREFILL[-1]]
+            out, captured = self(chunk, start + at, last_only=last_only)
+            logits.append(out)
+            features.append(captured)
+        logits = logits[-1] if last_only else torch.cat(logits)
+        return logits, None if features[0] is None else torch.cat(features)
 
     def step(self, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, positions, s = self.inputs[0:1, :rows], self.inputs[1, :rows], self.slots

@@ -177,10 +177,13 @@ class TorchTarget(CacheOwner, TargetBackend):
             raise PromptTooLongError(
                 f"{start + count} positions exceed the target's context of {self.max_context}",
                 "shorten the prompt or lower max_new_tokens")
-        if self.fixed is not None and count <= BUCKETS[-1]:
-            logits, captured = self.fixed(token_ids, start, tail)
+        if self.fixed is not None and (count <= BUCKETS[-1] or tail is None):
+            if count <= BUCKETS[-1]:
+                logits, captured = self.fixed(token_ids, start, tail, last_only)
+            else:
+                logits, captured = self.fixed.prefill(token_ids, start, last_only)
             self.cache.length = start + count
-            return TargetOutput(logits[-1:] if last_only else logits, captured if features else None)
+            return TargetOutput(logits, captured if features else None)
         self.cache.reserve(start + count)
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)
