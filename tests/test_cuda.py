@@ -136,15 +136,34 @@ def test_acceptance_on_the_device_is_lossless(tiny_llama, tiny_draft, cuda_basel
         assert out.token_ids == base
 
 
-def test_captured_steps_cross_a_tier_and_a_grown_cache(tiny_llama, tiny_draft):
-    """Past 256 slots mid-generation the cache grows (new memory): the captured steps are dropped with their
-    pool and captured again, and the tokens stay the eager ones."""
+def test_captured_steps_cross_a_tier_and_a_grown_cache(tiny_llama, tiny_draft, monkeypatch):
+    """Past 256 slots mid-generation a cache allocated at 256 grows (new memory): the captured steps are dropped
+    with their pool and captured again, and the tokens stay the eager ones."""
+    from hetero_sd.backends.torch_backend import layers
+
+    monkeypatch.setattr(layers, "first_allocation", lambda *a, **kw: layers.FIRST)  # (as where it does not fit)
     long_prompt = [(7 * i) % 60 + 4 for i in range(250)]
     want = graphs_runtime(tiny_llama, steps="eager").generate(long_prompt, max_new_tokens=30, stop_at_eos=False)
     rt = graphs_runtime(tiny_llama, tiny_draft, block_size="fixed")
     out = rt.generate(long_prompt, max_new_tokens=30, stop_at_eos=False)
     assert out.token_ids == want.token_ids and out.stats.num_drafts > 0
     assert rt.target.cache.k[0].shape[2] >= 512
+
+
+def test_a_cuda_cache_that_fits_is_allocated_whole_and_never_recaptured(tiny_llama):
+    """Where the context limit's K/V fit, the cache is allocated whole: passing 256 positions moves no memory, so
+    the captured steps are replayed, not captured again."""
+    t = graphs_runtime(tiny_llama).target
+    assert t.cache.k[0].shape[2] >= t.max_context
+    memory = t.cache.k[0].data_ptr()
+    t.forward([(7 * i) % 60 + 4 for i in range(250)])
+    for _ in range(12):
+        t.forward([7])
+    captures = t.fixed.runner.captures
+    t.crop(250)
+    for _ in range(12):
+        t.forward([9])
+    assert t.cache.k[0].data_ptr() == memory and t.fixed.runner.captures == captures
 
 
 FAILED_CAPTURE = """

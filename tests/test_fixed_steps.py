@@ -153,6 +153,19 @@ def test_tiers_are_powers_of_two_within_the_allocation():
     assert tier(300, 320) == 320
 
 
+def test_a_cuda_cache_is_allocated_whole_where_it_fits():
+    """The captured steps read the cache where it lies (a grown cache is captured again): on CUDA a cache takes
+    its whole context limit at once where that is at most a quarter of the free memory; elsewhere, and where it
+    does not fit, 256 positions grown by doubling."""
+    from hetero_sd.backends.torch_backend.layers import FIRST, first_allocation
+
+    per_position = 30 * 2 * 3 * 64 * 2  # the 135M default in bf16: 23 KB
+    assert first_allocation("cuda:0", 8192, per_position, free_bytes=4 * 8192 * per_position) == 8192
+    assert first_allocation("cuda:0", 8192, per_position, free_bytes=4 * 8192 * per_position - 1) == FIRST
+    assert first_allocation("cuda", 100, per_position, free_bytes=10**12) == FIRST  # never below the first tier
+    assert first_allocation("cpu", 8192, per_position, free_bytes=10**12) == FIRST
+
+
 def test_fork_has_its_own_fixed_cache(tiny_llama, eager_tokens):
     rt = load(tiny_llama, policy=FIXED)
     twin = rt.target.fork()

@@ -64,6 +64,19 @@ def k_layout(head_dim: int, dtype: torch.dtype, k_q8: bool) -> tuple[int, torch.
     return (head_dim + head_dim // 8, torch.uint8) if k_q8 else (head_dim, dtype)
 
 
+FIRST = 256  # positions a cache starts with where it is not allocated whole
+
+
+def first_allocation(device, limit: int, bytes_per_position: int, free_bytes=None) -> int:
+    """Positions a new cache allocates: on a CUDA device the whole `limit` where its K/V take at most a quarter of
+    the free memory (the captured steps read the cache where it lies: each time it grows they are captured again),
+    else FIRST, grown by doubling as the context needs (a CPU's memory is the model's too)."""
+    if torch.device(device).type != "cuda":
+        return FIRST
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if free_bytes is None else free_bytes
+    return max(limit, FIRST) if limit * bytes_per_position <= free // 4 else FIRST
+
+
 class KVCache:
     """Per-layer K/V for positions [0, capacity); grows by doubling, crops by moving `length`. k_q8: K as q8_0
     blocks (k_layout; only the fused C++ ops write and read it), V in `dtype`."""
@@ -76,7 +89,7 @@ class KVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.length = 0
-        self.reserve(256)
+        self.reserve(first_allocation(device, limit, self.bytes_per_position()))
 
     def empty_like(self) -> "KVCache":
         return KVCache(self.cfg, self.num_layers, self.device, self.dtype, self.limit, self.k_q8)
