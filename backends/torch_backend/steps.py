@@ -1,10 +1,9 @@
-"""Steps of fixed shape: the target's decode and verify steps and a draft's block and context catch-up as
-functions of device tensors alone (token ids, RoPE positions, cache slots), over K/V caches allocated whole on
-CUDA where they fit (else grown by doubling: layers.first_allocation), with row counts rounded up to a few buckets (a prompt in chunks of up to 128 rows) and the attended
-slots up to a power of two (a tier). No
-value of a step is read back by the host inside it, so on CUDA each (kind, rows, tier) is captured once as a CUDA
-graph and replayed: one launch where an eager batch-1 step launches a few hundred small kernels, each waiting on
-the host (launch-bound on a GPU).
+"""Steps of fixed shape: the target's decode and verify steps and a draft's block and context catch-up as functions of
+device tensors alone (token ids, RoPE positions, cache slots), over K/V caches allocated whole on CUDA where they
+fit (else grown by doubling: layers.first_allocation), with row counts rounded up to a few buckets (a prompt in
+chunks of up to 128 rows) and the attended slots up to a power of two (a tier). No value of a step is read back by
+the host inside it, so on CUDA each (kind, rows, tier) is captured once as a CUDA graph and replayed: one launch
+where an eager batch-1 step launches a few hundred small kernels, each waiting on the host (launch-bound on a GPU).
 
 Why a padded bucket is lossless: padding rows sit after the real rows; the target's causal mask keeps them out
 of every real row's keys, and what they write to the cache lies at positions past the real rows', which the next
