@@ -115,3 +115,31 @@ def test_llama_cpp_dflash_is_compared_with_llama_cpp_autoregressive():
     compare_llama_cpp([dflash, plain])
     assert [p["first_divergence_from_llama.cpp"] for p in dflash.prompts] == [None, 1]
     assert "equal llama.cpp's autoregressive ones on 1 of 2 prompts" in dflash.note
+
+
+def test_a_bench_stopped_while_its_peers_run_keeps_its_rows_and_the_finished_peers(tmp_path, tiny_llama, tiny_draft,
+                                                                                    monkeypatch):
+    """Ctrl-C or SIGTERM (a time limit) during the peers: the run's own rows and the peers that finished are in the
+    JSON, the rest named as not run, and the status is an interruption's."""
+    import hetero_sd.bench.peers as peers
+
+    real = peers.one_peer
+
+    def stopped_at_the_second(name, *args):
+        if name == "zlab-reference":
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    monkeypatch.setattr(peers, "one_peer", stopped_at_the_second)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t12"}\n')
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts", str(prompts),
+                 "--block-size", "fixed", "--max-new-tokens", "6", "--peers", "transformers,zlab-reference",
+                 "--json", str(out)]) == 130
+    res = json.loads(out.read_text())
+    run = res["runs"][0] if "runs" in res else res
+    assert res.get("interrupted", True) and run["spec_tokens_per_s"] > 0 and len(run["prompts"]) == 1
+    rows = {p["name"]: p for p in run["peers"]}
+    assert rows["transformers"]["tokens_per_s"] > 0 and not rows["transformers"]["skipped"]
+    assert rows["zlab-reference"]["skipped"] and "stopped" in rows["zlab-reference"]["note"]

@@ -40,10 +40,21 @@ def run_peers(names: list[str], runtime, prompt_ids: list[list[int]], max_new_to
         done = (lambda n=name: tick(n)) if tick else (lambda: None)
         try:
             rows.append(one_peer(name, folder, runtime, prompt_ids, max_new_tokens, done, draft, ours or []))
+        except KeyboardInterrupt as e:  # a stopped bench keeps the peers that finished (PeersStopped.rows)
+            rows += [PeerRow(n, skipped=True, note="not run: the bench was stopped") for n in names[len(rows):]]
+            raise PeersStopped(rows) from e
         except Exception as e:  # a broken peer must not lose the run: recorded as skipped, with why
             rows.append(PeerRow(name, skipped=True, note=f"failed: {type(e).__name__}: {str(e)[:500]}"))
     compare_llama_cpp(rows)
     return rows
+
+
+class PeersStopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while the peers ran: the rows of those that finished, the others skipped."""
+
+    def __init__(self, rows: list[PeerRow]):
+        super().__init__()
+        self.rows = rows
 
 
 def compare_llama_cpp(rows: list[PeerRow]) -> None:

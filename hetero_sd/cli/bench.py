@@ -134,10 +134,11 @@ def bench_command(args) -> int:
                                     rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
                                     progress=tick)
                     timelines += [(f"{label(res)} {name}", t) for name, t in res.pop("timelines")]
+                    saver.add(res)  # (before the peers: a bench stopped while they run keeps its own rows)
                     if not res.get("interrupted") and temperature == 0 and not peers_done:
                         add_peers_and_floor(args, rt, prompts, res, progress)  # greedy peers: once, on a T=0 run
                         peers_done = True
-                    saver.add(res)
+                        saver.save()
                     if res.get("interrupted"):
                         raise KeyboardInterrupt
                 rt.close()
@@ -257,14 +258,18 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
     from hetero_sd.backends.base import weights_of
     from hetero_sd.bench.floor import floor_report
     from hetero_sd.bench.peer_row import failures
-    from hetero_sd.bench.peers import peer_names, run_peers
+    from hetero_sd.bench.peers import PeersStopped, peer_names, run_peers
 
     names = peer_names(args.peers)
     if names:
         ids = [rt.encode(p.text)[0] for p in prompts]
         task = progress.add_task("peers", total=len(names) * len(ids))
-        rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
-            task, advance=1, description=f"peer {name}"), draft=args.peer_draft, ours=res["prompts"])
+        try:
+            rows = run_peers(names, rt, ids, args.max_new_tokens, tick=lambda name: progress.update(
+                task, advance=1, description=f"peer {name}"), draft=args.peer_draft, ours=res["prompts"])
+        except PeersStopped as e:  # the peers that finished go into the run's rows before the bench stops
+            res["peers"] = [r.to_dict(res["spec_tokens_per_s"], res["baseline_tokens_per_s"]) for r in e.rows]
+            raise
         res["peers"] = [r.to_dict(res["spec_tokens_per_s"], res["baseline_tokens_per_s"]) for r in rows]
         res["peers_failed"] = failures(res["peers"], args.peers)  # asked for by name and not run: the run fails
         for r in rows:
