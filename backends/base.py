@@ -157,6 +157,11 @@ class TargetBackend(ABC):
         """Wait for queued device work; the lanes call it at the end of every job, so that a span on an
         asynchronous device (CUDA, MPS) ends when its kernels do, not when they were launched."""
 
+    def warm(self, positions: int) -> int:
+        """Run now every step shape a context of up to `positions` can meet, where a shape costs something on its
+        first use (a CUDA graph's capture), leaving the cache's content as it is; how many steps ran."""
+        return 0
+
     def fork(self) -> "TargetBackend":
         """Another instance over the same weights with its own empty cache (two requests at once)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")
@@ -196,6 +201,10 @@ class DraftBackend(ABC):
     def synchronize(self) -> None:
         """As for the target: wait for queued device work (called by the lanes after every job)."""
 
+    def warm(self, positions: int) -> int:
+        """As for the target: every block and catch-up shape up to `positions`, run now; how many steps ran."""
+        return 0
+
     def fork(self) -> "DraftBackend":
         """Another instance over the same weights with its own empty context."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve two requests at once")
@@ -225,6 +234,9 @@ class WrappedDraft(DraftBackend):
 
     def synchronize(self) -> None:
         self.inner.synchronize()
+
+    def warm(self, positions: int) -> int:
+        return self.inner.warm(positions)
 
     def propose(self, anchor: int, position: int | None = None, size: int | None = None):
         return self.inner.propose(anchor, position, size)

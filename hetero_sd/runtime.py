@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -448,6 +449,18 @@ class Runtime:
             ids += event.token_ids
             stats = event.stats
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
+
+    def warm(self, positions: int) -> int:
+        """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape
+        costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a
+        generation: bench's warm-up; the free pairs' cache content is left as it is. How many steps ran."""
+        self.check_open()
+        ran = 0
+        for target, draft in list(self.slots.free):
+            ran += self.target_lane.call(partial(target.warm, positions))
+            if draft is not None:
+                ran += self.draft_lane.call(partial(draft.warm, positions))
+        return ran
 
     def close(self) -> None:
         """Stop the device threads (they also stop at interpreter exit). Later calls raise

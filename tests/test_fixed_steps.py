@@ -197,3 +197,46 @@ def test_the_cli_variable_picks_the_step_mode():
     assert policy_from_env({}).steps == "auto" and policy_from_env({"HETERO_SD_STEPS": "eager"}).steps == "eager"
     with pytest.raises(ConfigError, match="HETERO_SD_STEPS"):
         policy_from_env({"HETERO_SD_STEPS": "turbo"})
+
+
+def test_a_bench_captures_no_step_inside_a_timed_prompt(tiny_llama, tiny_draft, monkeypatch):
+    """Where steps are captured on a shape's first use, bench runs every shape before its timed runs
+    (Runtime.warm: each step bucket and tier up to the longest prompt and its answer, each block size, each
+    catch-up): none is new inside a timed prompt, whatever block sizes the controller chooses there."""
+    from hetero_sd.backends.torch_backend.steps import Runner
+    from hetero_sd.bench import runner as bench_runner
+    from hetero_sd.prompts import Prompt
+
+    rt = load(tiny_llama, tiny_draft, policy=FIXED)  # (uncaptured here: the keys are what CUDA captures)
+    seen, new_when_timed, timed = set(), [], [False]
+    real_run, real_warm = Runner.run, bench_runner.warm_shapes
+
+    def run(self, key, fn):
+        if timed[0] and (id(self), key) not in seen:
+            new_when_timed.append(key)
+        seen.add((id(self), key))
+        return real_run(self, key, fn)
+
+    def warm(*args):
+        real_warm(*args)
+        timed[0] = True
+
+    monkeypatch.setattr(Runner, "run", run)
+    monkeypatch.setattr(bench_runner, "warm_shapes", warm)
+    prompts = [Prompt("t5 t9 t12 t7"), Prompt(" ".join(f"t{i % 50 + 3}" for i in range(40))), Prompt("t20 t7")]
+    res = bench_runner.run_bench(rt, prompts, max_new_tokens=40)
+    assert res["spec_tokens_per_s"] > 0 and timed[0]
+    assert new_when_timed == []
+
+
+def test_warming_the_steps_leaves_the_caches_as_they_were(tiny_llama, tiny_draft, eager_tokens):
+    """Runtime.warm runs its steps past what the caches hold: a prefix cached before it is reused after it, and the
+    tokens stay the eager ones."""
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    rt.prefix_cache = True  # (as the server keeps it)
+    first = rt.generate(PROMPTS[1], max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert rt.warm(300) > 0
+    again = rt.generate(PROMPTS[1], max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert again.stats.num_cached_tokens > 0  # the prefix written before the warm-up
+    assert first.token_ids == again.token_ids == eager_tokens[1]
+    assert load(tiny_llama, tiny_draft).warm(300) == 0  # eager steps: nothing to run

@@ -202,7 +202,12 @@ class TorchDraft(CacheOwner, DraftBackend):
     def fixed_steps(self) -> DraftSteps | None:
         if self.steps == "eager":
             return None
-        return DraftSteps(self.model, self.cache, self.rope, self.feature_size, self.block_size, self.steps)
+        return DraftSteps(self.model, self.cache, self.rope, self.feature_size, self.block_size, self.steps,
+                          partial(self.format.block_rows, block_size=self.block_size))
+
+    @torch.inference_mode()
+    def warm(self, positions: int) -> int:
+        return 0 if self.fixed is None else self.fixed.warm(positions, self.mask_token_id)
 
     @property
     def context_length(self) -> int:

@@ -136,6 +136,14 @@ class FixedOps(TorchOps):
         return layer.attention(q, cache.k[i][:, :, :tier], cache.v[i][:, :, :tier], mask)
 
 
+def tiers(positions: int) -> list[int]:
+    """The tiers a context of up to `positions` slots attends over: 256, then each doubling up to one that holds it."""
+    out = [256]
+    while out[-1] < positions:
+        out.append(2 * out[-1])
+    return out
+
+
 def tier(need: int, allocated: int) -> int:
     """How many cache slots a step attends over: a power of two that holds `need` (256 at least), within the
     allocation. Attention reads every slot it is given, so a step on a short context must not pay for the whole
@@ -210,6 +218,21 @@ class TargetSteps:
         return (logits[count - 1:count] if last_only else logits[:count]).clone(), \
             None if features is None else features[:count].clone()
 
+    def warm(self, positions: int) -> int:
+        """Every (rows, tier) a context of up to `positions` slots can meet, run once past the cache's length: a
+        step whose last row fills its tier. What it writes there is overwritten before any row can see it (as a
+        padded bucket's rows are). The cache is reserved first: a grown cache would drop the steps warmed before."""
+        length, top = self.cache.length, tiers(positions)[-1]
+        self.cache.reserve(top)
+        ran = 0
+        for t in tiers(positions):
+            for rows in BUCKETS + PREFILL:
+                if length + rows <= t:
+                    self([0] * rows, t - rows)
+                    ran += 1
+        self.cache.length = length
+        return ran
+
     def prefill(self, token_ids: Sequence[int], start: int, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A prompt of any length in chunks of PREFILL[-1] rows: (the logits of every row, or the last one, and the
         context features of every row)."""
@@ -235,8 +258,9 @@ class DraftSteps:
     attention layers run eagerly). `inputs` rows: 0 the block's ids, 1 its RoPE positions, 2 its cache slots
     (after the context: slots and positions differ for a pre-drafted block on a lagged context)."""
 
-    def __init__(self, model, cache: KVCache, rope: Rope, feature_size: int, block_size: int, mode: str):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: KVCache, rope: Rope, feature_size: int, block_size: int, mode: str,
+                 rows_of: Callable[[int], int]):
+        self.model, self.cache, self.block_size, self.rows_of = model, cache, block_size, rows_of
         self.inputs = torch.zeros(3, max(BUCKETS[-1], block_size), dtype=torch.long, device=cache.device)
         self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=cache.device)
         self.runner = Runner(mode, cache.device)
@@ -269,6 +293,24 @@ class DraftSteps:
         h = m(m.embed_block(ids), s.cos[positions], s.sin[positions], write, [mask] * len(m.layers))
         hidden = rms_norm(h[0, 1:size], m.norm, eps)
         return hidden, m.head(hidden)
+
+    def warm(self, positions: int, mask_token: int) -> int:
+        """Every block size (2..the draft's block) at each tier, and every catch-up bucket, run once past the
+        context's length (what they write there is overwritten before a block sees it: the catch-up writes a
+        position before any block attends to it)."""
+        length, top = self.cache.length, tiers(positions)[-1]
+        self.cache.reserve(top)
+        ran = 0
+        for t in tiers(positions):
+            for size in range(2, self.block_size + 1):
+                rows = self.rows_of(size)
+                if length + rows <= t:
+                    self.block(0, mask_token, t - rows, t - rows, rows, size)
+                    ran += 1
+        for rows in BUCKETS:
+            self.context(torch.zeros(rows, self.features.shape[1], device=self.features.device), length)
+            ran += 1
+        return ran
 
     def context(self, features: torch.Tensor, start: int) -> None:
         """Context features [T, L*H] (T up to the largest bucket) to every layer's K/V at slots start.."""

@@ -196,6 +196,10 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.cache.length = start + count
         return TargetOutput(self.model.logits(normed), self.gather(captured) if features else None)
 
+    @torch.inference_mode()
+    def warm(self, positions: int) -> int:
+        return 0 if self.fixed is None else self.fixed.warm(positions)
+
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:
         return gather_features(self.layer_ids, captured, self.config.num_hidden_layers,
                                lambda h: rms_norm(h, self.norm, self.config.rms_norm_eps), torch.cat)
