@@ -1,8 +1,11 @@
 """z-lab's reference DFlash loop (`pip install --no-deps dflash`, MIT) on our target and draft.
 
-It runs our HF target folder and our draft folder with transformers, in float32 as our runtime does,
-so at T=0 its tokens must equal ours: every prompt records whether they are identical (or where they
-first differ), both taus, and the first token where the two loops' acceptance lengths differ. One
+It runs our HF target folder and our draft folder with transformers, on our target's device and in its dtype;
+in float32 at T=0 its tokens must equal ours (in bf16 a verify block and a single step may round a near-tie
+apart, in either loop): every prompt records whether they are identical (or where they first differ), both
+taus, and the first token where the two loops' acceptance lengths differ. What makes the acceptance differ
+by design is in the row's note: our context lookup, our block-size controller against its fixed block, our
+draft's reduced head (draft_vocab) against its whole head. One
 known difference: near the length limit z-lab shrinks the block to what is left (its non-causal draft
 then sees fewer mask positions and may propose other tokens), where we draft the full block and cut;
 so acceptance can differ within the last block of an answer that reaches --max-new-tokens. Its tau is
@@ -38,9 +41,7 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
     block = runtime.block_size
     row = PeerRow(NAME, weights=f"{str(dtype).removeprefix('torch.')} on {device} via transformers: our HF target folder ({Path(runtime.info['target']).name}) "
                                 f"and draft folder ({folder.name})",
-                  note=f"dflash {package_version()} dflash_generate, greedy, block {block}"
-                       + ("; our run mixes the context lookup into its proposals, so the acceptance differs from theirs "
-                          "(--lookup 0: the draft's tokens alone)" if getattr(runtime, "lookup", 0) else ""))
+                  note=f"dflash {package_version()} dflash_generate, greedy, block {block}" + differences(runtime, dtype))
     with cpu_clock(zm, row):
         synced(device, lambda: generate(zm, draft, target, prompt_ids[0], 4, runtime.stop_ids, block))  # warm-up
         for n, ids in enumerate(prompt_ids):
@@ -54,6 +55,22 @@ def zlab_reference(runtime, prompt_ids: list[list[int]], max_new_tokens: int, do
                     **identity(gen, ours[n] if n < len(ours) else None, lengths))
             done()
     return row
+
+
+def differences(runtime, dtype: torch.dtype) -> str:
+    """What makes our acceptance differ from z-lab's loop by design, and when identical tokens are expected."""
+    out = []
+    if getattr(runtime, "lookup", 0):
+        out.append("our run mixes the context lookup into its proposals (--lookup 0: the draft's tokens alone)")
+    if getattr(runtime, "block", None) == "auto":
+        out.append(f"our block size is the controller's, step by step (--block-size fixed: {runtime.block_size})")
+    ids = getattr(getattr(getattr(runtime, "draft", None), "head", None), "ids", None)
+    if ids is not None:
+        out.append(f"our draft scores {len(ids)} ids of its head (its draft_vocab), theirs every id")
+    if dtype != torch.float32:
+        out.append(f"in {str(dtype).removeprefix('torch.')} the two loops' tokens may differ at a near-tie "
+                   "(identical tokens are the float32 promise)")
+    return "".join(f"; {d}" for d in out)
 
 
 def load_models(zm, target_folder: str, draft_folder: Path, mask_token_id: int | None, device: str = "cpu",
