@@ -240,3 +240,8 @@ def test_warming_the_steps_leaves_the_caches_as_they_were(tiny_llama, tiny_draft
     assert again.stats.num_cached_tokens > 0  # the prefix written before the warm-up
     assert first.token_ids == again.token_ids == eager_tokens[1]
     assert load(tiny_llama, tiny_draft).warm(300) == 0  # eager steps: nothing to run
+
+
+def test_the_info_says_how_the_steps_run(tiny_llama, tiny_draft):
+    assert load(tiny_llama, tiny_draft, policy=FIXED).info["steps"] == {"target": "fixed", "draft": "fixed"}
+    assert load(tiny_llama, tiny_draft).info["steps"] == {"target": "eager", "draft": "eager"}
