@@ -18,7 +18,8 @@
 # that would not fit is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers (LIMIT
 # prompts, 20); HumanEval with the peers (HE_LIMIT, 10: the peers run at ~26-32 tok/s there, ~100 s for 20 prompts
 # each); chat with its acceptance on the host (the lookup's exact steering, three reads a block: what one read is
-# worth against the device's path-only steering); chat with the context lookup off. TOKENS (128) each. A bench that
+# worth against the device's path-only steering); chat with the context lookup off; 5 chat prompts in float32 (the
+# lossless check: DFlash's tokens the target's own). TOKENS (128) each. A bench that
 # fails to capture a CUDA graph is run again once with HETERO_SD_STEPS=fixed (said in pair.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +102,9 @@ run)
     bench humaneval 100 --dataset humaneval --limit ${HE_LIMIT:-10} --peers transformers,zlab-reference
     bench chat-host-acceptance 40 --dataset chat --acceptance host
     bench chat-no-lookup 40 --dataset chat --lookup 0
+    # the real pair in float32, where DFlash's tokens must be the target's own (bf16's near-ties aside: its
+    # verify blocks and single steps may round apart): the lossless check of the GPU path on real weights
+    bench chat-float32 40 --dataset chat --dtype float32 --limit 5
     ;;
 *)
     sed -n 2,17p "$0"; exit 2
