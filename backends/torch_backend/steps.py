@@ -228,7 +228,7 @@ class TargetSteps:
         for t in tiers(positions):
             for rows in BUCKETS + PREFILL:
                 if length + rows <= t:
-                    self([0] * rows, t - rows)
+                    self([0] * rows, t - rows, last_only=True)
                     ran += 1
         self.cache.length = length
         return ran
