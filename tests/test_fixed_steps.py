@@ -89,7 +89,7 @@ def test_a_long_prompt_is_prefilled_in_padded_chunks(tiny_llama, tiny_draft):
     fixed.target.crop(0)
     last = fixed.target.forward(prompt, last_only=True)
     assert fixed.target.length == len(prompt) and last.logits.shape[0] == 1
-    torch.testing.assert_close(last.logits, got.logits[-1:], atol=0, rtol=0)
+    torch.testing.assert_close(last.logits, got.logits[-1:], atol=1e-5, rtol=1e-5)  # (the head on 1 row, not 37)
     for rt in (eager, fixed):
         rt.target.crop(0)
     runs = [rt.generate(prompt, max_new_tokens=24, stop_at_eos=False) for rt in (eager, fixed)]

@@ -214,9 +214,11 @@ class TargetSteps:
         to_device(self.inputs[:, :rows], host)
         if tail is not None and not on_host:
             self.inputs[0, head:count].copy_(tail)  # device to device, in stream order after the host's copy
-        logits, features = self.runner.run((rows, t), lambda: self.step(rows, t))
-        return (logits[count - 1:count] if last_only else logits[:count]).clone(), \
-            None if features is None else features[:count].clone()
+        out, features = self.runner.run((rows, t), lambda: self.step(rows, t))
+        out = out[count - 1:count] if last_only else out[:count]
+        # a prefill chunk's graph ends at the final norm: the head runs here on the rows asked for (a prompt's last)
+        logits = self.model.logits(out) if rows > BUCKETS[-1] else out.clone()
+        return logits, None if features is None else features[:count].clone()
 
     def warm(self, positions: int) -> int:
         """Every (rows, tier) a context of up to `positions` slots can meet, run once past the cache's length: a
@@ -250,7 +252,9 @@ class TargetSteps:
         mask = s.keys[None, :t] <= positions[:, None]  # causal over the tier's slots: [rows, t]
         normed, captured = self.model(ids, self.cache, positions, s.cos[positions], s.sin[positions], mask,
                                       self.capture, ops=self.ops)
-        return self.model.logits(normed[0]), self.gather(captured)
+        # Past the verify buckets (a prompt's chunks) the normed hidden states, not logits: a captured output lives
+        # as long as its graph, and 128 rows of float32 logits over a 151,936-word vocabulary are 78 MB a tier
+        return self.model.logits(normed[0]) if rows <= BUCKETS[-1] else normed[0], self.gather(captured)
 
 
 class DraftSteps:
