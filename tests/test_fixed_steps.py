@@ -245,3 +245,26 @@ def test_warming_the_steps_leaves_the_caches_as_they_were(tiny_llama, tiny_draft
 def test_the_info_says_how_the_steps_run(tiny_llama, tiny_draft):
     assert load(tiny_llama, tiny_draft, policy=FIXED).info["steps"] == {"target": "fixed", "draft": "fixed"}
     assert load(tiny_llama, tiny_draft).info["steps"] == {"target": "eager", "draft": "eager"}
+
+
+def test_warming_covers_the_steps_that_reach_past_the_context(tiny_llama, tiny_draft, monkeypatch):
+    """A context that ends just short of a tier: its last verify (padded to its bucket) and its last draft block
+    reach past it, into the next tier; Runtime.warm runs those too."""
+    from hetero_sd.backends.torch_backend.steps import Runner
+
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    seen, new_when_timed, timed = set(), [], [False]
+    real_run = Runner.run
+
+    def run(self, key, fn):
+        if timed[0] and (id(self), key) not in seen:
+            new_when_timed.append(key)
+        seen.add((id(self), key))
+        return real_run(self, key, fn)
+
+    monkeypatch.setattr(Runner, "run", run)
+    prompt = [(7 * i) % 60 + 4 for i in range(230)]
+    rt.warm(len(prompt) + 24)
+    timed[0] = True
+    out = rt.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+    assert out.stats.num_drafts > 0 and new_when_timed == []

@@ -161,6 +161,13 @@ class Slots:
         self.cos = self.sin = self.keys = None
         self.memory = None
 
+    def warm_tiers(self, need: int) -> list[int]:
+        """The tiers of steps whose slots reach up to `need`, the cache reserved for them first (as a run that far
+        would: a cache grown between two warm steps would drop the first one's capture)."""
+        self.cache.reserve(need)
+        allocated = self.cache.k[0].shape[2]
+        return sorted({tier(t, allocated) for t in tiers(need)})
+
     def prepare(self, need: int, rope_need: int) -> int:
         """Room for slots [0, need) and RoPE positions [0, rope_need); returns the step's tier."""
         self.cache.reserve(need)
@@ -223,11 +230,9 @@ class TargetSteps:
     def warm(self, positions: int) -> int:
         """Every (rows, tier) a context of up to `positions` slots can meet, run once past the cache's length: a
         step whose last row fills its tier. What it writes there is overwritten before any row can see it (as a
-        padded bucket's rows are). The cache is reserved first: a grown cache would drop the steps warmed before."""
-        length, top = self.cache.length, tiers(positions)[-1]
-        self.cache.reserve(top)
-        ran = 0
-        for t in tiers(positions):
+        padded bucket's rows are)."""
+        length, ran = self.cache.length, 0
+        for t in self.slots.warm_tiers(positions + BUCKETS[-1]):  # (a verify at the end pads up to 16 rows)
             for rows in BUCKETS + PREFILL:
                 if length + rows <= t:
                     self([0] * rows, t - rows, last_only=True)
@@ -302,10 +307,8 @@ class DraftSteps:
         """Every block size (2..the draft's block) at each tier, and every catch-up bucket, run once past the
         context's length (what they write there is overwritten before a block sees it: the catch-up writes a
         position before any block attends to it)."""
-        length, top = self.cache.length, tiers(positions)[-1]
-        self.cache.reserve(top)
-        ran = 0
-        for t in tiers(positions):
+        length, ran = self.cache.length, 0
+        for t in self.slots.warm_tiers(positions + max(BUCKETS[-1], self.rows_of(self.block_size))):
             for size in range(2, self.block_size + 1):
                 rows = self.rows_of(size)
                 if length + rows <= t:
