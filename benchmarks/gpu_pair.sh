@@ -16,11 +16,11 @@
 #   OUT=/tmp/pair PY=.venv/bin/python IMAGE=benchmarks/gpu_image DEVICE=cpu LIMIT=1 TOKENS=8 bash benchmarks/gpu_pair.sh run
 # `run` benches, in this order while RUN_S lasts (each run writes its own JSON to $OUT as its prompts finish; a run
 # that would not fit is skipped and named in pair.log): chat with HF generate and z-lab's reference as peers (LIMIT
-# prompts, 20); HumanEval with the peers (HE_LIMIT, 10: the peers run at ~26-32 tok/s there, ~100 s for 20 prompts
-# each); chat with its acceptance on the host (the lookup's exact steering, three reads a block: what one read is
-# worth against the device's path-only steering); chat with the context lookup off; 5 chat prompts in float32 (the
-# lossless check: DFlash's tokens the target's own). TOKENS (128) each. A bench that
-# fails to capture a CUDA graph is run again once with HETERO_SD_STEPS=fixed (said in pair.log).
+# prompts, 20); 5 chat prompts in float32 (the lossless check: DFlash's tokens the target's own); HumanEval with the
+# peers (HE_LIMIT, 10: the peers run at ~26-32 tok/s there, ~100 s for 20 prompts each); chat with its acceptance on
+# the host (the lookup's exact steering, three reads a block: what one read is worth against the device's path-only
+# steering); chat with the context lookup off. TOKENS (128) each. A bench that
+# fails to capture a CUDA graph is run again once, and every bench after it, with HETERO_SD_STEPS=fixed (pair.log says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -77,12 +77,14 @@ run)
     export PYTHONPATH=${IMAGE:+$IMAGE:}$PWD:/tmp/site PYTHONUNBUFFERED=1 HETERO_SD_HOME=$STASH/home
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/pair.log"
     deadline=$((began + ${RUN_S:-330}))
-    once() {  # NAME ARGS...: one bench run within what is left; its status
+    once() {  # NAME ARGS...: one bench run within what is left (its log into pair.log as it goes); its status
         local name=$1 left=$((deadline - $(date +%s))); shift
+        [ "$left" -gt 0 ] || return 124  # (timeout 0 would not limit it)
         timeout -k 15 "$left" $PY -m hetero_sd.cli bench --target $G --draft $DRAFT --target-device ${DEVICE:-cuda} \
-            --limit ${LIMIT:-20} --max-new-tokens ${TOKENS:-128} --json "$OUT/pair_$name.json" "$@" > /tmp/bench.log 2>&1
-        local rc=$?
-        cat /tmp/bench.log >> "$OUT/pair.log"; tail -25 /tmp/bench.log
+            --limit ${LIMIT:-20} --max-new-tokens ${TOKENS:-128} --json "$OUT/pair_$name.json" "$@" 2>&1 \
+            | tee /tmp/bench.log >> "$OUT/pair.log"
+        local rc=${PIPESTATUS[0]}
+        tail -25 /tmp/bench.log
         return $rc
     }
     bench() {  # NAME SECONDS ARGS...: one bench, if its estimate fits what is left
@@ -92,19 +94,20 @@ run)
         log "bench $name"
         once "$name" "$@"; local rc=$?
         if [ "$rc" = 2 ] && tr -s ' \n' '  ' < /tmp/bench.log | grep -q "CUDA graph"; then  # (wrapped lines joined)
-            log "$name: a CUDA graph could not be captured; once more with HETERO_SD_STEPS=fixed"
-            HETERO_SD_STEPS=fixed once "$name" "$@"; rc=$?
+            log "$name: a CUDA graph could not be captured; once more, and every bench after it, with HETERO_SD_STEPS=fixed"
+            export HETERO_SD_STEPS=fixed
+            once "$name" "$@"; rc=$?
         fi
         log "done $name (rc $rc)"
     }
     # (estimates: HF generate and z-lab's loop ran ~26-32 tok/s on an H200 under a VM, 20 x 128 tokens each)
     bench chat 200 --dataset chat --peers transformers,zlab-reference
+    # the real pair in float32, where DFlash's tokens must be the target's own (in bf16 a verify block and single
+    # steps may round a near-tie apart): the lossless check of the GPU path on real weights, 5 prompts (~20 s)
+    bench chat-float32 30 --dataset chat --dtype float32 --limit 5
     bench humaneval 100 --dataset humaneval --limit ${HE_LIMIT:-10} --peers transformers,zlab-reference
     bench chat-host-acceptance 40 --dataset chat --acceptance host
     bench chat-no-lookup 40 --dataset chat --lookup 0
-    # the real pair in float32, where DFlash's tokens must be the target's own (bf16's near-ties aside: its
-    # verify blocks and single steps may round apart): the lossless check of the GPU path on real weights
-    bench chat-float32 40 --dataset chat --dtype float32 --limit 5
     ;;
 *)
     sed -n 2,17p "$0"; exit 2
