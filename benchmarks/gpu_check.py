@@ -527,7 +527,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", default="smollm2-135m,qwen3-4b,qwen3-8b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--cpu-draft-dtype", default="auto",
+    p.add_argument("--cpu-draft-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
                    help="the draft's dtype on the host CPU (auto: bfloat16 where the CPU multiplies it natively)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens of the end-to-end rows")

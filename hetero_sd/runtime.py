@@ -455,6 +455,7 @@ class Runtime:
         costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a
         generation: bench's warm-up; the free pairs' cache content is left as it is. How many steps ran."""
         self.check_open()
+        positions = validate.integer("positions", positions, 1)
         ran = 0
         for target, draft in list(self.slots.free):
             ran += self.target_lane.call(partial(target.warm, positions))

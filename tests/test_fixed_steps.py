@@ -268,3 +268,12 @@ def test_warming_covers_the_steps_that_reach_past_the_context(tiny_llama, tiny_d
     timed[0] = True
     out = rt.generate(prompt, max_new_tokens=24, stop_at_eos=False)
     assert out.stats.num_drafts > 0 and new_when_timed == []
+
+
+def test_warming_asks_for_a_positive_whole_number_of_positions(tiny_llama):
+    from hetero_sd.errors import InvalidArgumentError
+
+    rt = load(tiny_llama)
+    for bad in (0, -3, 2.5, "300", None):
+        with pytest.raises(InvalidArgumentError, match="positions must be"):
+            rt.warm(bad)

@@ -230,14 +230,20 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
         out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
     else:
         out = launch(drafted).result()
-    verdict = verify(r.sampler, out.logits, drafted, q, r.rule)
-    keep = verdict.accepted + 1  # anchor + accepted drafts are now context; the bonus is the next anchor
+    return settled(r, start, len(drafted), verify(r.sampler, out.logits, drafted, q, r.rule), out.features, began)
+
+
+def settled(r: Request, start: int, drafts: int, verdict, features: torch.Tensor, began: float):
+    """A verified block's outcome kept: the target cropped to the anchor and the accepted drafts (now context;
+    the bonus is the next anchor), the stats and the controller told (the step's seconds since `began`, beside
+    its draft's). Returns (step, verdict, the features of the positions now in context)."""
+    keep = verdict.accepted + 1
     r.target.crop(start + keep)
-    r.stats.record_step(len(drafted), verdict.accepted)
-    r.policy.observe(len(drafted) + 1, len(drafted), verdict.accepted,
-                     r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
+    r.stats.record_step(drafts, verdict.accepted)
+    r.policy.observe(drafts + 1, drafts, verdict.accepted, r.draft_s - r.context_s + time.perf_counter() - began,
+                     r.context_s)
     r.lanes.step += 1
-    return Step(r.emit(verdict.tokens), verdict.accepted, len(drafted)), verdict, out.features[:keep]
+    return Step(r.emit(verdict.tokens), verdict.accepted, drafts), verdict, features[:keep]
 
 
 @dataclass
@@ -282,14 +288,8 @@ def verify_on_device(r: Request, anchor: int, p: Proposed):
         r.target.crop(p.start)
         fault(r, DraftFault("the draft produced non-finite logits (NaN or inf)"))
         return None
-    keep = verdict.accepted + 1
-    r.target.crop(p.start + keep)
-    r.stats.record_step(len(tokens), verdict.accepted)
     r.stats.device_steps += 1
-    r.policy.observe(len(tokens) + 1, len(tokens), verdict.accepted,
-                     r.draft_s - r.context_s + time.perf_counter() - began, r.context_s)
-    r.lanes.step += 1
-    return Step(r.emit(verdict.tokens), verdict.accepted, len(tokens)), verdict, out.features[:keep]
+    return settled(r, p.start, len(tokens), verdict, out.features, began)
 
 
 def ahead(r: Request, anchor: int, pending: list[torch.Tensor]):
@@ -458,7 +458,7 @@ def hypotheses(logits: torch.Tensor, drafted: list[int], limit: int) -> list[tup
     k = min(limit, others.shape[-1] - 1)
     top = others.topk(k, -1)
     best = (prefix[:, None] + top.values).flatten().topk(min(limit, n * k)).indices
-    return [(j, c) for j, c in torch.stack([best // k, top.indices.flatten()[best]], 1).tolist()]
+    return list(map(tuple, torch.stack([best // k, top.indices.flatten()[best]], 1).tolist()))
 
 
 class Pace:
