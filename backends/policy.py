@@ -21,8 +21,9 @@ class LoadPolicy:
     draft_vocab: bool = True  # a draft with a reduced vocabulary (draft_vocab) scores only its K rows; False: all
     kv_f16: bool = True  # an int8-rows CPU target on the C++ attention keeps its K/V cache in float16 (llama.cpp's)
     k_q8: bool = True  # ... and its K as q8_0 blocks (llama.cpp's -ctk q8_0), where the CPU has AVX512-VNNI
-    steps: str = "auto"  # decode/verify/draft steps: "graphs" (fixed shapes captured as CUDA graphs), "fixed",
-    #                      "eager", or "auto" (graphs on CUDA, eager elsewhere): torch_backend/steps.py
+    steps: str = "auto"  # decode/verify/draft steps: "graphs" (fixed shapes captured as CUDA graphs), "compiled"
+    #                      (fixed shapes under torch.compile, captured on CUDA), "fixed", "eager", or "auto" (graphs
+    #                      on CUDA, eager elsewhere): torch_backend/steps.py
     origin: str = ""  # where the choices came from, named in notes (e.g. "HETERO_SD_QUANT=off")
 
     def why(self) -> str:

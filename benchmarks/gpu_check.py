@@ -12,7 +12,9 @@ out as the package (see `importable`). One call of `python3 benchmarks/gpu_check
 Per shape (random weights of SmolLM2-135M's, Qwen3-4B's and, while the budget lasts, Qwen3-8B's shapes; bf16;
 context 512) and per step mode ("graphs": fixed shapes captured as CUDA graphs; "eager": the steps as they run
 without capture): decode / verify-k / draft-block costs against floors from the device's own copy bandwidth and
-matmul peak. Then tokens/s of autoregressive decoding and of DFlash with an oracle draft: a z-lab-shaped random
+matmul peak, and the warm-up of every step shape (`warm_s`: what capturing them costs at start). After the
+end-to-end rows, the 135M shape's steps under torch.compile too (`compiled`: inductor's fused kernels, captured),
+with its autoregressive and headline oracle rows. Then tokens/s of autoregressive decoding and of DFlash with an oracle draft: a z-lab-shaped random
 draft runs every block (its cost is paid) and its proposals are replaced by the target's own greedy continuation,
 all right (full acceptance) or the first `--stretch` right (a set acceptance); blocks 8 and 16; the draft on the
 GPU and on the host CPU; sequential and overlap schedules; on block 8 at full acceptance the sequential loop
@@ -269,11 +271,11 @@ def build(check: Check, shape_name: str, steps: str, draft_device: str):
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     target = TorchTarget(arch, tensors, folder, dev, dtype, dcfg.target_layer_ids, a.context + 2 * a.tokens + 64,
-                         policy=policy(steps=steps), flags=frozenset())
+                         policy=policy(steps=steps, gemm=steps != "compiled"), flags=frozenset())
     d_dtype = dtype if draft_device == dev else getattr(torch, check.result["cpu_draft_dtype"])
     draft = load_draft(folder, dcfg, target, draft_device, d_dtype, raw["dflash_config"]["mask_token_id"],
                        tensors=draft_tensors(raw, draft_device, d_dtype), int8_head=False,
-                       policy=policy(steps=steps if draft_device == dev else "eager"))
+                       policy=policy(steps=steps if draft_device == dev else "eager", gemm=steps != "compiled"))
     return model, target, draft
 
 
@@ -292,12 +294,16 @@ def measure_shape(check: Check, shape_name: str) -> None:
 def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
     a = check.args
     _, target, draft = build(check, shape_name, steps, a.device)
+    began = time.perf_counter()  # every step shape up to the probe's context: captures (and compilations) at start
+    ran = target.warm(a.context + 16) + draft.warm(a.context + 16)
+    target.synchronize()
+    warm_s = time.perf_counter() - began
     c = cost_probe.measure_costs(target, draft, context=a.context, ks=(1, 2, 4, 8, 16), blocks=(2, 4, 8, 16),
                                  repeats=a.repeats, machine=not res.get("floor_ms"))
     row = {"decode_ms": c.decode_s * 1e3, "verify_ms": {k: v * 1e3 for k, v in c.verify_s.items()},
            "draft_ms": {b: v * 1e3 for b, v in c.draft_s.items()},
            "context_ms": {k: v * 1e3 for k, v in catch_up_s(target, draft, a).items()},
-           "prefill_ms": prefill_s(target, a) * 1e3, "steps": target.steps,
+           "prefill_ms": prefill_s(target, a) * 1e3, "steps": target.steps, "warm_s": warm_s, "warm_steps": ran,
            "captured": bool(target.fixed and target.fixed.runner.captures), "draft_steps": draft.steps,
            "graphs_captured": {"target": target.fixed.runner.captures if target.fixed else 0,
                                "draft": draft.fixed.runner.captures if draft.fixed else 0}, "mode": target.mode,
@@ -314,7 +320,7 @@ def measure_mode(check: Check, shape_name: str, steps: str, res: dict) -> None:
         res[steps] = row
     check.log(f"{shape_name} {steps}: decode {row['decode_ms']:.3f} ms, verify-16 "
               f"{row['verify_x_decode'][16]:.2f}x, draft-8 {row['draft_x_decode'].get(8, 0):.2f}x, "
-              f"prefill-{a.prompt} {row['prefill_ms']:.2f} ms")
+              f"prefill-{a.prompt} {row['prefill_ms']:.2f} ms, warm-up of {ran} steps {warm_s:.1f} s")
     del target, draft
 
 
@@ -365,6 +371,22 @@ def timed_generations(rt: Runtime, prompt: list[int], tokens: int, runs: int, **
     return outs[-1], statistics.median(seconds), statistics.median(tpot)
 
 
+def compiled_steps(check: Check, shape_name: str) -> None:
+    """The steps under torch.compile, then captured (steps="compiled"): their costs beside the captured eager
+    kernels' ("graphs"), the warm-up's compilations included in warm_s, and the autoregressive and headline oracle
+    rows end to end: which of the two the default should be is this measurement's to say."""
+    a, res = check.args, check.result["shapes"].setdefault(shape_name, {})
+    check.attempt(f"costs {shape_name} compiled", lambda: measure_mode(check, shape_name, "compiled", res))
+    if "compiled" in res and "decode_ms" in res and a.modes[0] != "compiled":
+        res["compiled"]["decode_speedup_vs_" + a.modes[0]] = res["decode_ms"] / res["compiled"]["decode_ms"]
+    check.save()
+    free_memory(a.device)
+    if check.fits(f"e2e {shape_name} compiled", 2 * ROW_S):
+        check.attempt(f"e2e {shape_name} compiled",
+                      lambda: e2e_placement(check, shape_name, "compiled", a.device, {}, headline_only=True))
+    free_memory(a.device)
+
+
 def end_to_end(check: Check, shape_name: str) -> None:
     a = check.args
     answers: dict = {}
@@ -394,9 +416,11 @@ class Placement:
     answers: dict
 
 
-def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, answers: dict) -> None:
-    """AR (once per step mode) and every oracle row of one placement, each timed after a warm-up of its own; a row
-    that raises is an error of that row, and the rows after it still run."""
+def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, answers: dict,
+                  headline_only: bool = False) -> None:
+    """AR (once per step mode) and every oracle row of one placement (or its headline row alone: the first block,
+    full acceptance, sequential), each timed after a warm-up of its own; a row that raises is an error of that
+    row, and the rows after it still run."""
     a = check.args
     _, target, draft = build(check, shape_name, steps, draft_device)
     vocab = target.config.vocab_size
@@ -407,9 +431,14 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
         check.attempt(key, partial(ar_row, p, key))
     if steps in answers:
         place = f"{torch.device(a.device).type}/{torch.device(draft_device).type}"
-        for block in a.blocks:
-            for right, label in ((None, "full"), (a.stretch, f"right{a.stretch}")):
-                for schedule, acceptance, sampled in variants(a.schedules, block == a.blocks[0] and right is None):
+        blocks, rights = a.blocks, ((None, "full"), (a.stretch, f"right{a.stretch}"))
+        if headline_only:
+            blocks, rights = blocks[:1], rights[:1]
+        for block in blocks:
+            for right, label in rights:
+                headline = block == a.blocks[0] and right is None
+                for schedule, acceptance, sampled in ([("sequential", "device", False)] if headline_only
+                                                      else variants(a.schedules, headline)):
                     name = (f"{shape_name}/oracle-{label}-b{block}/{place}/{schedule}"
                             f"{'-t1' * sampled}{'-host-acceptance' * (acceptance == 'host')}/{steps}")
                     if check.fits(name, ROW_S):
@@ -540,6 +569,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-devices", default=None, help="default: the device, then the host CPU")
     p.add_argument("--schedules", default="sequential,overlap")
     p.add_argument("--e2e-shapes", default="smollm2-135m,qwen3-4b", help="shapes that also run end to end")
+    p.add_argument("--compiled-shapes", default="smollm2-135m",
+                   help="shapes whose steps are also measured under torch.compile (after the end-to-end rows)")
     p.add_argument("--budget-s", type=float, default=440.0, help="stop starting rows after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu",
                    help="folder of gpu_check.json and gpu_check.log (RESULTS.md cites results/gpu/gpu_check.json)")
@@ -573,6 +604,8 @@ def main(argv=None) -> int:
         check.row(f"costs {name}", 40, lambda name=name: measure_shape(check, name))
     for name in e2e_shapes:
         check.row(f"e2e {name}", 60, lambda name=name: end_to_end(check, name))
+    for name in (s for s in a.compiled_shapes.split(",") if s in shapes and "compiled" not in a.modes):
+        check.row(f"compiled {name}", 120, lambda name=name: compiled_steps(check, name))  # (~10 compilations)
     for name in (s for s in shapes if s not in e2e_shapes):
         check.row(f"costs {name}", 90, lambda name=name: measure_shape(check, name))
     check.save()

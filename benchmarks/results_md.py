@@ -555,20 +555,23 @@ def gpu_section(path: Path | None = None) -> list[str]:
              f"{doc.get('cuda') or '-'}; {date}): random weights of each model's shape in {doc['dtype']}, "
              f"{doc['context']} tokens of context. Step costs, in ms and in decode steps:", "",
              *table("shape", "steps", "decode ms", "of its floor", "verify 8 / 16 (decode steps)", "draft 8 / 16 (decode steps)",
-                    "catch-up 8 / 16 (decode steps)", f"prefill of {doc.get('prompt', '-')} ms")]
+                    "catch-up 8 / 16 (decode steps)", f"prefill of {doc.get('prompt', '-')} ms", "warm-up s")]
     for shape, res in doc["shapes"].items():
-        for row in (res, res.get("eager")):
-            if not row or "decode_ms" not in row:
+        # the headline mode's row, then each other mode's (eager, compiled: dicts of their own)
+        for row in (res, *(v for v in res.values() if isinstance(v, dict) and "decode_ms" in v)):
+            if "decode_ms" not in row:
                 continue
             floor = res.get("floor_ms")
             v, d, c = row.get("verify_x_decode", {}), row.get("draft_x_decode", {}), row.get("context_ms", {})
             dm = row["decode_ms"]
             prefill = f"{row['prefill_ms']:.2f}" if "prefill_ms" in row else "-"
+            warm = f"{row['warm_s']:.1f}" if "warm_s" in row else "-"
             x_floor = "-" if not floor else f"{row['decode_ms'] / floor:.2f}x"
             lines.append(f"| {shape} | {row.get('mode', row.get('steps'))} | {row['decode_ms']:.2f} | {x_floor} | "
                          f"{' / '.join(f'{v[k]:.2f}' for k in ('8', '16') if k in v) or '-'} | "
                          f"{' / '.join(f'{d[k]:.2f}' for k in ('8', '16') if k in d) or '-'} | "
-                         f"{' / '.join(f'{c[k] / dm:.2f}' for k in ('8', '16') if k in c) or '-'} | {prefill} |")
+                         f"{' / '.join(f'{c[k] / dm:.2f}' for k in ('8', '16') if k in c) or '-'} | {prefill} | "
+                         f"{warm} |")
     lines += ["", f"End to end, {doc['new_tokens']} new tokens: an oracle draft runs every block (its cost is paid) and "
               "its proposals are the target's own greedy continuation (all right, or the first two right); "
               "`tok/s` is end to end (the prompt's prefill included), `decode tok/s` the rate after the first token "

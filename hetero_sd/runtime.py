@@ -450,6 +450,12 @@ class Runtime:
             stats = event.stats
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
+    def warms(self) -> bool:
+        """Whether a step shape costs something on its first use here (fixed-shape steps: captured as CUDA graphs,
+        compiled, or mx.compile's), so that `serve` and `chat` run `warm` over the whole context before the
+        first answer waits on it."""
+        return any(mode != "eager" for mode in self.info.get("steps", {}).values())
+
     def warm(self, positions: int) -> int:
         """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape
         costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a

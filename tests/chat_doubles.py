@@ -43,6 +43,9 @@ class PacedRuntime:
     def close(self) -> None:
         pass
 
+    def warms(self) -> bool:
+        return False  # no step shape costs anything on its first use
+
     def encode(self, prompt, chat: bool = True, options=None) -> tuple[list[int], list[str]]:
         return self.ids(0, 8), []
 

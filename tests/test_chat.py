@@ -136,6 +136,37 @@ def test_a_missing_model_is_shown_in_the_app(tmp_path):
     run(scenario)
 
 
+def test_the_app_warms_the_steps_before_its_first_answer(tiny_llama, tiny_draft):
+    """Where a step shape costs something on its first use (captured or compiled steps; here the fixed-shape steps
+    that are captured on a GPU), the app runs every shape of the target's context once the models have loaded,
+    before the baseline and any answer; with eager steps it runs none."""
+    import torch
+
+    from hetero_sd.backends.policy import LoadPolicy
+
+    calls = []
+
+    def loader(**kw):
+        rt = load(**kw)
+        real_warm, real_generate = rt.warm, rt.generate
+        rt.warm = lambda positions: calls.append(("warm", positions)) or real_warm(positions)
+        rt.generate = lambda *a, **k: calls.append(("generate",)) or real_generate(*a, **k)
+        return rt
+
+    fixed = LoadPolicy(fused=False, quant=False, steps="fixed")
+    for policy, warmed in ((fixed, True), (LoadPolicy(steps="eager"), False)):
+        calls.clear()
+        app = ChatApp({"target": str(tiny_llama), "draft": str(tiny_draft), "dtype": torch.float32, "policy": policy},
+                      max_new_tokens=8, loader=loader)
+
+        async def scenario():
+            async with started(app, (80, 24), 120):
+                pass
+        run(scenario)
+        assert app.runtime.warms() is warmed and ("generate",) in calls
+        assert (calls[0] == ("warm", app.runtime.target.max_context)) is warmed, calls
+
+
 def test_settings_change_temperature_and_schedule_from_the_app(tiny_llama, tiny_draft):
     from textual.widgets import Input, Select
 

@@ -124,6 +124,19 @@ def test_captured_steps_are_lossless(tiny_llama, tiny_draft, cuda_baseline, draf
         assert rt.draft.steps == "graphs" and rt.draft.fixed.runner.captures >= 2
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "overlap"])
+def test_compiled_steps_captured_are_lossless(tiny_llama, tiny_draft, cuda_baseline, schedule):
+    """The steps under torch.compile (Triton's kernels from inductor), then captured as CUDA graphs: the eager
+    tokens in float32, the target's and the draft's steps both compiled and captured."""
+    rt = graphs_runtime(tiny_llama, tiny_draft, steps="compiled", block_size="fixed", schedule=schedule)
+    assert rt.target.steps == rt.draft.steps == "compiled" and "torch.compile + CUDA graphs" in rt.target.mode
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+        assert out.stats.num_drafts > 0 and out.stats.fallback is None, out.stats.notes
+        assert out.token_ids == base
+    assert rt.target.fixed.runner.captures >= 2 and rt.draft.fixed.runner.captures >= 2
+
+
 @pytest.mark.parametrize("draft_device,steps", [("cuda", "graphs"), ("cpu", "graphs"), ("cuda", "eager")])
 def test_acceptance_on_the_device_is_lossless(tiny_llama, tiny_draft, cuda_baseline, draft_device, steps):
     """A CUDA target's greedy blocks are accepted on the device ('auto'), the drafted ids passed to the verify

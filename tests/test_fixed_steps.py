@@ -17,6 +17,9 @@ F32 = torch.float32
 # torch ops (the fused C++ ops take a start, not positions) in float32, as the CUDA path runs them
 EAGER = LoadPolicy(fused=False, quant=False, steps="eager")
 FIXED = LoadPolicy(fused=False, quant=False, steps="fixed")
+# torch.compile traces torch's matmuls, not the native CPU kernels (packed GEMM, int8 heads and layers)
+COMPILED = LoadPolicy(fused=False, quant=False, gemm=False, draft_int8_head=False, draft_int8_layers=False,
+                      steps="compiled")
 
 
 def load(target, draft=None, policy=EAGER, **kw):
@@ -43,6 +46,50 @@ def test_step_modes_by_device():
     assert mode == "eager" and "fused" in note
     with pytest.raises(ValueError, match="step mode"):
         steps_mode("fast", "cpu", True)
+    assert steps_mode("compiled", "cuda", True) == steps_mode("compiled", "cpu", True) == ("compiled", None)
+    mode, note = steps_mode("compiled", "cpu", True, torch_matmuls=False)
+    assert mode == "fixed" and "native CPU kernels" in note
+
+
+def test_compiled_steps_are_lossless(tiny_llama, tiny_draft, eager_tokens):
+    """The fixed steps under torch.compile (inductor's C++ kernels here, Triton's on CUDA, where they are then
+    captured): the eager tokens for both schedules, across prefill chunks, a grown cache and a doubled tier, in a
+    few compilations shared by every model of the same shapes."""
+    from torch._dynamo.utils import counters
+
+    long_prompt = [(7 * i) % 60 + 4 for i in range(2 * PREFILL[-1] + 37)]
+    want = load(tiny_llama).generate(long_prompt, max_new_tokens=60, stop_at_eos=False).token_ids
+    for schedule in ("sequential", "overlap"):
+        rt = load(tiny_llama, tiny_draft, policy=COMPILED, block_size="fixed", schedule=schedule)
+        assert rt.target.steps == rt.draft.steps == "compiled" and "torch.compile" in rt.target.mode
+        for prompt, base in zip(PROMPTS, eager_tokens):
+            out = rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False)
+            assert out.stats.num_drafts > 0 and out.stats.fallback is None, out.stats.notes
+            assert out.token_ids == base
+        out = rt.generate(long_prompt, max_new_tokens=60, stop_at_eos=False)
+        assert out.token_ids == want and rt.target.cache.k[0].shape[2] >= 512
+    graphs = counters["stats"]["unique_graphs"]
+    rt = load(tiny_llama, tiny_draft, policy=COMPILED, block_size="fixed")
+    assert rt.generate(PROMPTS[1], max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == eager_tokens[1]
+    assert counters["stats"]["unique_graphs"] == graphs  # a new model of these shapes compiles nothing
+
+
+def test_a_step_that_does_not_compile_whole_is_an_error():
+    """A graph break (Python that Dynamo cannot trace: here an explicit break) would run part of the step
+    eagerly: it is a one-line error naming the fix, never a silent partial compilation."""
+    from hetero_sd.backends.torch_backend.steps import compiled
+    from hetero_sd.errors import DeviceFailedError
+
+    x = torch.ones(4)
+
+    def broken():
+        y = x * 2
+        torch._dynamo.graph_break()
+        return (y + 1,)
+    step = compiled(broken, "test")
+    with pytest.raises(DeviceFailedError, match="torch.compile of the test step failed") as e:
+        step()
+    assert "HETERO_SD_STEPS=graphs" in str(e.value) and "\n" not in str(e.value).split(" (fix")[0]
 
 
 def test_fixed_target_decodes_the_eager_tokens(tiny_llama, eager_tokens):

@@ -367,6 +367,36 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
             proc.wait()
 
 
+def test_serve_warms_its_steps_before_it_listens(tiny_llama, tiny_draft):
+    """Where a step shape costs something on its first use (captured or compiled steps; here the fixed-shape steps
+    that a GPU captures), `serve` runs every shape up to the context limit before it takes a request, and says so."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HETERO_SD_FUSED="off", HETERO_SD_QUANT="off", HETERO_SD_STEPS="fixed")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_sd.cli", "serve", "--target", str(tiny_llama),
+                             "--draft", str(tiny_draft), "--threads", "1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        out = proc.stdout.read().decode()
+        warmed, listening = out.find("step shapes ready in"), out.find("serving ")
+        assert 0 <= warmed < listening and "warming the steps up to" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("argv, says", [(["--port", "70000"], "--port 70000"),
                                         (["--schedule", "pipeline"], "--schedule pipeline"),
                                         (["--workers", "0"], "--workers"), (["--top-p", "2"], "--top-p")])

@@ -25,7 +25,7 @@ from .layers import CacheOwner, DecoderLayer, KVCache, Rope, layer_weights, line
 from . import fused, quant8
 from .cpu import cpu_flags
 from .kernels import KernelUnavailable
-from .plan import plan_matrices
+from .plan import LAYER_MATRICES, plan_matrices
 from .steps import BUCKETS, DraftSteps, steps_mode
 
 
@@ -194,7 +194,8 @@ class TorchDraft(CacheOwner, DraftBackend):
         # the block and the context catch-up at fixed shapes (captured on CUDA): a plain DFlash draft on torch ops
         torch_ops = (m.fused_ops is None and m.convs is None and m.selector is None and pack
                      and all(a.plain for a in self.format.attention))
-        self.steps, note = steps_mode(policy.steps, device, torch_ops)
+        matrices = [m.mm_fc, m.head.mm] + [getattr(layer, a) for layer in m.layers for a in LAYER_MATRICES]
+        self.steps, note = steps_mode(policy.steps, device, torch_ops, not any(callable(x) for x in matrices))
         if note:
             self.notes.append(f"draft: {note}")
         self.fixed = self.fixed_steps()

@@ -106,11 +106,14 @@ class KVCache:
         size = min(max(n, 2 * have), max(n, self.limit))
         size = -(-size // 16) * 16  # whole tiles of 16 positions (the fused attention's tiled K); copied whole below
         shape = self.shape[:2] + (size,) + self.shape[3:]
-        new_k = [torch.zeros(shape[:3] + (self.k_width,), device=self.device, dtype=self.k_dtype)
-                 for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
-        for old, new in zip(self.k + self.v, new_k + new_v):
-            new[:, :, :have] = old
+        # plain tensors whether or not a step grows the cache under inference mode: the compiled steps' guards hold
+        # a cache's dispatch keys, and an inference tensor's differ (every growth would compile them again)
+        with torch.inference_mode(False):
+            new_k = [torch.zeros(shape[:3] + (self.k_width,), device=self.device, dtype=self.k_dtype)
+                     for _ in range(self.num_layers)]
+            new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)]
+            for old, new in zip(self.k + self.v, new_k + new_v):
+                new[:, :, :have] = old
         self.k, self.v = new_k, new_v
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):

@@ -31,7 +31,7 @@ BUCKETS = (1, 2, 4, 8, 16)  # row counts a step is captured for: decode, verify-
 # launches as a decode step whatever its length (~20 ms for the 135M default on an H200 VM, all of it before the
 # first token), captured one launch a chunk
 PREFILL = (32, 64, 128)
-MODES = ("auto", "eager", "fixed", "graphs")
+MODES = ("auto", "eager", "fixed", "graphs", "compiled")
 
 
 def bucket(rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -39,11 +39,13 @@ def bucket(rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= rows), None)
 
 
-def steps_mode(asked: str, device: str, torch_ops: bool) -> tuple[str, str | None]:
-    """How a model's steps run: 'graphs' (fixed shapes captured as CUDA graphs), 'fixed' (fixed shapes, run
+def steps_mode(asked: str, device: str, torch_ops: bool, torch_matmuls: bool = True) -> tuple[str, str | None]:
+    """How a model's steps run: 'graphs' (fixed shapes captured as CUDA graphs), 'compiled' (fixed shapes under
+    torch.compile: inductor's fused kernels, captured as CUDA graphs on CUDA), 'fixed' (fixed shapes, run
     eagerly) or 'eager' (today's shapes), and a note where what was asked cannot run here. 'auto': graphs on
     CUDA, eager elsewhere (on a CPU the fused C++ ops are the fast path; fixed shapes would only add the masked
-    keys' work). The fixed steps need the torch ops strategy: the fused C++ ops take a start, not positions."""
+    keys' work). The fixed steps need the torch ops strategy: the fused C++ ops take a start, not positions;
+    compiled steps need torch's matmuls too (torch.compile does not trace the native CPU matmul kernels)."""
     if asked not in MODES:
         raise ValueError(f"steps={asked!r} is not a step mode; use one of {', '.join(MODES)}")
     cuda = torch.device(device).type == "cuda"
@@ -54,7 +56,44 @@ def steps_mode(asked: str, device: str, torch_ops: bool) -> tuple[str, str | Non
         return "eager", f"{wanted} steps need the torch ops strategy; this model runs fused C++ ops: eager steps"
     if wanted == "graphs" and not cuda:
         return "fixed", f"CUDA graphs need a CUDA device, not {device}: fixed-shape steps run eagerly"
+    if wanted == "compiled" and not torch_matmuls:
+        return "fixed", ("compiled steps need torch's matmuls; this model multiplies by native CPU kernels (GGUF "
+                         "blocks or the packed float32 GEMM): fixed-shape steps, uncompiled")
     return wanted, None
+
+
+def mode_names(mode: str, device: str) -> list[str]:
+    """How a step mode is named in a model's mode string (the stats and the cost cache's key)."""
+    captured = " + CUDA graphs" if torch.device(device).type == "cuda" else ""
+    return {"graphs": ["CUDA graphs"], "compiled": [f"torch.compile{captured}"], "fixed": ["fixed-shape steps"],
+            "eager": []}[mode]
+
+
+RECOMPILES = 32  # Dynamo's compilations of one step function, all models in a process (each takes <= 6)
+
+
+def compiled(step: Callable, name: str) -> Callable:
+    """`step` under torch.compile: inductor fuses its elementwise ops (norms, RoPE, the gate) into a few kernels,
+    where eagerly each op is a kernel of its own, and on CUDA the Runner then captures those kernels like any
+    step's. fullgraph: a graph break would run part of a step eagerly, unannounced. Shapes are symbolic from the
+    start (the weights' stay static): one compilation serves every bucket and tier, and a step function takes a
+    few in all (one row or more, past the verify buckets or not, a tier that is the whole allocation or not),
+    shared by every model of its shapes (the caches and inputs are read from the step's object at each call).
+    Past RECOMPILES the error is raised, not Dynamo's silent eager fallback."""
+    fn = torch.compile(step, fullgraph=True, dynamic=True)
+    config = torch._dynamo.config
+    limits = {next(k for k in ("recompile_limit", "cache_size_limit") if hasattr(config, k)): RECOMPILES,
+              next(k for k in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if hasattr(config, k)): True}
+
+    def run(*args):
+        with config.patch(**limits):
+            try:
+                return fn(*args)
+            except Exception as e:
+                raise DeviceFailedError(f"torch.compile of the {name} step failed "
+                                        f"({type(e).__name__}: {' '.join(str(e).split())[:300]})",
+                                        "HETERO_SD_STEPS=graphs (or fixed) runs the steps uncompiled") from e
+    return run
 
 
 CAPTURE = threading.Lock()
@@ -73,6 +112,8 @@ class Runner:
 
     def __init__(self, mode: str, device: str):
         self.mode, self.device = mode, torch.device(device)
+        # what is captured: every fixed step on CUDA, compiled (inductor's kernels) or not
+        self.capturing = mode == "graphs" or (mode == "compiled" and self.device.type == "cuda")
         self.graphs: dict = {}
         self.pool = None
         self.captures = 0
@@ -84,7 +125,7 @@ class Runner:
         self.pool = None
 
     def run(self, key, fn: Callable[[], tuple]) -> tuple:
-        if self.mode != "graphs":
+        if not self.capturing:
             return fn()
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn)
@@ -200,6 +241,8 @@ class TargetSteps:
         self.ops = FixedOps(model.config.rms_norm_eps)
         self.runner = Runner(mode, cache.device)
         self.slots = Slots(cache, rope, self.runner)
+        if mode == "compiled":
+            self.step = compiled(self.step, "target's")
 
     def __call__(self, token_ids: Sequence[int], start: int, tail: torch.Tensor | None = None,
                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,6 +317,9 @@ class DraftSteps:
         self.features = torch.zeros(BUCKETS[-1], feature_size, dtype=model.fc.dtype, device=cache.device)
         self.runner = Runner(mode, cache.device)
         self.slots = Slots(cache, rope, self.runner)
+        if mode == "compiled":
+            self.block_step = compiled(self.block_step, "draft's block")
+            self.context_step = compiled(self.context_step, "draft's context")
 
     def block(self, anchor: int, mask_token: int, position: int, start: int, rows: int,
               size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
                      layer_walk, through_layers)
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, kv_name, plan_target
-from .steps import BUCKETS, TargetSteps, steps_mode
+from .steps import BUCKETS, TargetSteps, mode_names, steps_mode
 
 
 class TargetModel(nn.Module):
@@ -110,7 +110,8 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,
                              self.plan.k_q8)
         # decode and verify at fixed shapes (captured as CUDA graphs on CUDA): steps.py
-        self.steps, note = steps_mode(policy.steps, device, isinstance(self.model.ops, TorchOps))
+        self.steps, note = steps_mode(policy.steps, device, isinstance(self.model.ops, TorchOps),
+                                      not any(callable(m) for m in self.model.matrices()))
         if note:
             self.notes.append(note)
         self.fixed = self.fixed_steps()
@@ -118,7 +119,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
         named += [kv_name(self.plan)] * (self.plan.kv_dtype == torch.float16)
         named += ["one-call layer walk"] * self.plan.one_call_walk
-        named += {"graphs": ["CUDA graphs"], "fixed": ["fixed-shape steps"], "eager": []}[self.steps]
+        named += mode_names(self.steps, device)
         self.mode = ", ".join(named) or self.weight_format
         self.weight_plan = self.plan.describe()  # recorded in the runtime's info (info["weight_plan"])
         self.int8_head = None

@@ -20,7 +20,8 @@ def policy_from_env(environ: Mapping[str, str] | None = None) -> LoadPolicy:
     =q4_1: Q4_1 blocks, not the default Q8_0), HETERO_SD_DRAFT_VOCAB=off (a reduced-vocabulary draft scores the
     target's whole head), HETERO_SD_KV=float16 (the int8 target's K in float16, not q8_0 blocks where the CPU
     has AVX512-VNNI; V is float16 either way; =float32: K and V in float32), HETERO_SD_STEPS=eager (on a GPU, the
-    steps launched op by op instead of replayed as captured CUDA graphs; =fixed: fixed shapes, not captured)."""
+    steps launched op by op instead of replayed as captured CUDA graphs; =fixed: fixed shapes, not captured;
+    =compiled: fixed shapes under torch.compile, captured on a GPU)."""
     env = os.environ if environ is None else environ
     given = {k: v for k, v in env.items() if k.startswith("HETERO_SD_") and k in NAMES}
     kv = given.get("HETERO_SD_KV", "q8_0").lower()

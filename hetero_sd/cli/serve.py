@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 
 from hetero_sd import validate
 from hetero_sd.errors import InvalidArgumentError
@@ -108,6 +109,12 @@ def cmd_serve(args) -> int:
                                                   seed=args.seed, rule=args.rule),
                         prefix_cache=not args.no_prefix_cache, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, tool_format=args.tool_call_format)
+    if rt.warms():  # every step shape up to the context limit, before the first request (which would pay them)
+        err.print(f"[dim]warming the steps up to {rt.target.max_context} positions (captured once, before the "
+                  "first request)...[/]")
+        began = time.perf_counter()
+        ran = rt.warm(rt.target.max_context)
+        err.print(f"[dim]{ran} step shapes ready in {time.perf_counter() - began:.1f} s[/]")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "

@@ -87,7 +87,8 @@ def load_models(target: str = "default", draft: str | None = "default", *, targe
                                                                       info["target_dtype"], policy),
                       mask, tensors, info["notes"], policy)
     info["draft_dtype"] = dtype_name(getattr(d, "dtype", None))
-    # how each model's steps run: "graphs" (captured, CUDA), "fixed" (fixed shapes) or "eager" (torch_backend/steps.py)
+    # how each model's steps run: "graphs" (captured, CUDA), "compiled" (torch.compile, captured on CUDA), "fixed"
+    # (fixed shapes) or "eager" (torch_backend/steps.py)
     info["steps"] = {"target": getattr(t, "steps", "eager"), "draft": getattr(d, "steps", "eager")}
     # the rows of the target's head the draft scores: e.g. "8192 of 49152 rows" (models/draft_vocab.py)
     info["draft_head"] = f"{(dcfg.format.draft_vocab_size if policy.draft_vocab else None) or tcfg.vocab_size} " \
