@@ -450,9 +450,30 @@ def e2e_placement(check: Check, shape_name: str, steps: str, draft_device: str, 
 def ar_row(p: Placement, key: str) -> None:
     plain = Runtime(p.target, None, NullTokenizer(), [], {"notes": []}, lookup=0)
     base, secs, tpot = timed_generations(plain, p.prompt, p.check.args.tokens, p.check.args.runs, speculative=False)
-    p.check.result["e2e"][key] = {"tok_s": len(base.token_ids) / secs, "decode_tok_s": rate(tpot), "tau": 1.0}
+    p.check.result["e2e"][key] = {"tok_s": len(base.token_ids) / secs, "decode_tok_s": rate(tpot), "tau": 1.0,
+                                  "launches_per_step": launches(plain, p.prompt, p.check.args.tokens,
+                                                                lambda s: s.num_generated_tokens, speculative=False)}
     p.answers[p.steps] = base.token_ids
     p.check.log(f"{key}: {p.check.result['e2e'][key]['tok_s']:.1f} tok/s")
+
+
+def launches(rt: Runtime, prompt: list[int], tokens: int, steps, **kw) -> dict:
+    """One more generation under torch.profiler: what the host launched a step (steps(stats): the loop's steps;
+    the prefill's launches are in the total). On CUDA the runtime API's kernel launches (each op outside a graph),
+    graph launches and copies; a launch-bound loop shows here before it shows in tok/s. Elsewhere torch's ops."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(rt.target.device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        out = rt.generate(prompt, max_new_tokens=tokens, stop_at_eos=False, **kw)
+    names = Counter(e.name for e in prof.events())
+    kinds = {"kernels": ("LaunchKernel",), "graphs": ("GraphLaunch",), "copies": ("Memcpy",)} if cuda else \
+        {"ops": ("aten::",)}
+    n = max(1, steps(out.stats))
+    return {"steps": n, **{k: sum(c for name, c in names.items() if any(m in name for m in marks)) / n
+                           for k, marks in kinds.items()}}
 
 
 def rate(tpot: float) -> float | None:
@@ -476,6 +497,8 @@ def oracle_row(p: Placement, name: str, block: int, right: int | None, schedule:
            "ar_tok_s": ar["tok_s"], "ar_decode_tok_s": ar["decode_tok_s"],
            "fallback": s.fallback, "notes": s.notes[-3:]}  # a draft that failed: the target finished alone
     row["speedup_vs_ar"] = row["tok_s"] / row["ar_tok_s"]
+    if schedule == "sequential" and acceptance == "device" and not sampled and right is None:
+        row["launches_per_step"] = launches(rt, p.prompt, a.tokens, lambda s: s.num_drafts + s.plain_steps)
     if row["decode_tok_s"] and row["ar_decode_tok_s"]:
         row["decode_speedup_vs_ar"] = row["decode_tok_s"] / row["ar_decode_tok_s"]
     # a step: the draft's catch-up on the positions the last verify kept (tau of them, as a captured bucket), the
