@@ -7,6 +7,8 @@ once a block; and a draft's non-finite logits, found in that read, must lose no 
 
 from __future__ import annotations
 
+import math
+
 from functools import partial
 
 import pytest
@@ -116,8 +118,13 @@ def test_verdicts_are_the_hosts(params, rule):
         assert got == (want, want_drafted, [1, 7])
         outcomes.add("whole" if want.accepted == n else "cut")
     assert outcomes == {"whole", "cut"}
-    nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor([0, 0]), rule)
+    nan = on_device.verdict(Sampler(params, 1).at(9), target, drafted, q, torch.tensor([math.nan, 0.0]), rule)
     assert nan == (None, want_drafted, [0, 0])
+    for bad in (math.nan, math.inf, -math.inf):  # one non-finite logit anywhere in the block
+        logits = torch.randn(3, 40)
+        logits[1, 7] = bad
+        assert on_device.checked(on_device.checks(logits, None).tolist()) == [0, 0]
+    assert on_device.checked(on_device.checks(torch.full((3, 40), 3e38), torch.tensor(2)).tolist()) == [1, 2]
 
 
 class Ops(TorchDispatchMode):

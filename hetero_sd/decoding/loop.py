@@ -262,8 +262,8 @@ def propose_on_device(r: Request, logits: torch.Tensor) -> Proposed:
     start = r.target.length
     sampler = r.sampler.at(start + 1)  # row i: position start + 1 + i
     drafted, q, steered = on_device.proposals(sampler, logits, r.rule, r.lookup)
-    # read with the verdict: checked()'s reduction, and the rows the lookup changed
-    return Proposed(start, drafted, q, torch.stack([torch.isfinite(logits.sum()).long(), steered]))
+    # read with the verdict: checked()'s test of the logits, and the rows the lookup changed
+    return Proposed(start, drafted, q, on_device.checks(logits, steered))
 
 
 def verify_on_device(r: Request, anchor: int, p: Proposed):

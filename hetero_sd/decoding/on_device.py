@@ -12,6 +12,8 @@ gate, a DFlash2 selector: Runtime.accepted_where)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hetero_sd.backends.base import uploaded
@@ -21,16 +23,29 @@ from .sampling import Sampler, Verdict, inverse_cdf
 
 
 def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str,
-              lookup: ContextLookup | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+              lookup: ContextLookup | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """draft_tokens without a read: the draft's argmax (temperature 0, or the match rule), steered by the context
     lookup's guesses (`steered`), or draws from its distribution q (the rejection rule, which also needs q); on
-    the draft's device, row i at position + i. Returns (the ids, q or None, how many rows the lookup changed)."""
+    the draft's device, row i at position + i. Returns (the ids, q or None, how many rows the lookup changed, or
+    None where it did not steer)."""
     if sampler.params.greedy or rule == "match":
         top = draft_logits.argmax(-1)
-        return (steered(draft_logits, top, *lookup.path(top.shape[0])) if lookup is not None
-                else (top, None, torch.zeros((), dtype=torch.long, device=top.device)))
+        return steered(draft_logits, top, *lookup.path(top.shape[0])) if lookup is not None else (top, None, None)
     q = sampler.probs(draft_logits)
-    return sampler.draw(q, 0, "draft"), q, torch.zeros((), dtype=torch.long, device=q.device)
+    return sampler.draw(q, 0, "draft"), q, None
+
+
+def checks(draft_logits: torch.Tensor, changed: torch.Tensor | None) -> torch.Tensor:
+    """What the verdict's read carries of the draft: float64 [the sum of its logits, finite exactly where every
+    logit is (a NaN or inf makes it NaN or inf; float64 cannot overflow on finite float32 logits), and, where the
+    lookup steered, how many rows it changed]. One or two kernels (torch.isfinite alone is four)."""
+    total = draft_logits.sum(dtype=torch.float64).view(1)
+    return total if changed is None else torch.cat([total, changed.view(1)])
+
+
+def checked(read: list[float]) -> list[int]:
+    """[1 where the draft's logits were finite (else 0), rows the lookup changed] from the read of `checks`."""
+    return [int(math.isfinite(read[0])), int(read[1]) if len(read) > 1 else 0]
 
 
 def steered(logits: torch.Tensor, top: torch.Tensor, path: list[int], guesses: list[dict[int, float]]):
@@ -41,7 +56,7 @@ def steered(logits: torch.Tensor, top: torch.Tensor, path: list[int], guesses: l
     unread): another proposal, verified as any other. Returns (the ids, None, how many rows the lookup changed)."""
     device, m = logits.device, len(path)
     if m == 0:
-        return top, None, torch.zeros((), dtype=torch.long, device=device)
+        return top, None, None
     width = max(len(g) for g in guesses)  # padding: the row's path token again, weight 0
     ids = uploaded(torch.tensor([list(g) + [p] * (width - len(g)) for g, p in zip(guesses, path)]), device)
     w = uploaded(torch.tensor([list(g.values()) + [0.0] * (width - len(g)) for g in guesses]), device)
@@ -58,25 +73,27 @@ def steered(logits: torch.Tensor, top: torch.Tensor, path: list[int], guesses: l
 
 
 def verdict(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None,
-            checks: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int], list[int]]:
-    """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids, the
-    `checks` read with them: [the draft's logits were finite, rows the lookup changed]). The verdict is None where
-    the draft's logits were not finite: a block drawn from them is no proposal to accept from."""
+            draft_checks: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int], list[int]]:
+    """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids, `checked`
+    of the `checks` read with them). The verdict is None where the draft's logits were not finite: a block drawn
+    from them is no proposal to accept from. The read is float64 (it holds every token id exactly); under the match
+    rule and at temperature 0 the accepted count is the host's, from the ids read (a few comparisons in Python,
+    where on the device they would be as many launches)."""
     device = target_logits.device
-    drafted, checks = uploaded(drafted, device), uploaded(checks, device)
+    drafted, draft_checks = uploaded(drafted, device), uploaded(draft_checks, device).double()
     if not sampler.params.greedy and rule == "rejection":
-        return rejected(sampler, target_logits, drafted, uploaded(q, device), checks)
+        return rejected(sampler, target_logits, drafted, uploaded(q, device), draft_checks)
     # the target's token at each row: its argmax, or (match rule) its draw with the uniform of position + i
     posterior = target_logits.argmax(-1) if sampler.params.greedy else sampler.draw(sampler.probs(target_logits), 0)
-    n, c = drafted.shape[0], checks.shape[0]
-    accepted = (drafted == posterior[:n]).cumprod(0).sum()
-    read = torch.cat([accepted.view(1), checks, posterior, drafted]).tolist()
-    a, checked, tokens = read[0], read[1:1 + c], read[2 + c + n:]
-    return (Verdict(a, tokens[:a] + [read[1 + c + a]]) if checked[0] else None), tokens, checked
+    n, c = drafted.shape[0], draft_checks.shape[0]
+    read = torch.cat([draft_checks, posterior, drafted]).tolist()
+    ok, target, tokens = checked(read[:c]), [int(t) for t in read[c:c + n + 1]], [int(t) for t in read[c + n + 1:]]
+    a = next((i for i, (d, t) in enumerate(zip(tokens, target)) if d != t), n)
+    return (Verdict(a, tokens[:a] + [target[a]]) if ok[0] else None), tokens, ok
 
 
 def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor,
-             checks: torch.Tensor) -> tuple[Verdict | None, list[int], list[int]]:
+             draft_checks: torch.Tensor) -> tuple[Verdict | None, list[int], list[int]]:
     """sampling.rejection on the device, in as many kernels whatever the block's length: each row's ratio p(d)/q(d)
     against the host's keyed uniforms for accepting (float64, as there), the first rejected row `a` (n when none is),
     and one draw: from row a's residual norm(max(p - q, 0)) with the residual's uniform of position + a, or from p's
@@ -95,9 +112,9 @@ def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tenso
     # total 0 only where p == q, where a rejection has probability zero (rounding): p's row, as there
     row = torch.where((a < n) & (total > 0), residual / total, row)
     token = inverse_cdf(row[None], keyed[n:].index_select(0, a))
-    c = checks.shape[0]
-    read = torch.cat([checks, a, drafted, token]).tolist()
-    checked, accepted, tokens = read[:c], read[c], read[c + 1:c + 1 + n]
-    if not checked[0]:
-        return None, tokens, checked
-    return Verdict(accepted, tokens[:accepted] + [read[-1]]), tokens, checked
+    c = draft_checks.shape[0]
+    read = torch.cat([draft_checks, a, drafted, token]).tolist()  # (float64, as the checks are)
+    ok, accepted, tokens = checked(read[:c]), int(read[c]), [int(t) for t in read[c + 1:c + 1 + n]]
+    if not ok[0]:
+        return None, tokens, ok
+    return Verdict(accepted, tokens[:accepted] + [int(read[-1])]), tokens, ok
