@@ -333,6 +333,20 @@ def test_metrics_text(live, client):
     assert float(drafts[0].split()[-1]) > 0
 
 
+def until_healthy(proc, url: str, seconds: float = 60) -> None:
+    """Until the `serve` child at url answers /health (its stdout in the failure if it exits first)."""
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
     """The real command: SIGTERM while a stream is in flight; the stream ends and the process exits 0."""
     port = free_port()
@@ -342,16 +356,7 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
                              "--shutdown-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        until_healthy(proc, url)
         body = {"messages": PROMPT, "max_tokens": 400, "temperature": 1.0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -376,16 +381,7 @@ def test_serve_warms_its_steps_before_it_listens(tiny_llama, tiny_draft):
                              "--draft", str(tiny_draft), "--threads", "1", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        until_healthy(proc, f"http://127.0.0.1:{port}")
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         out = proc.stdout.read().decode()
