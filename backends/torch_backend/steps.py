@@ -82,8 +82,11 @@ def compiled(step: Callable, name: str) -> Callable:
     Past RECOMPILES the error is raised, not Dynamo's silent eager fallback."""
     fn = torch.compile(step, fullgraph=True, dynamic=True)
     config = torch._dynamo.config
-    limits = {next(k for k in ("recompile_limit", "cache_size_limit") if hasattr(config, k)): RECOMPILES,
-              next(k for k in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit") if hasattr(config, k)): True}
+    # (the first name of each that this torch has: the older names are aliases where both exist)
+    limits = {next((k for k in names if hasattr(config, k)), None): value
+              for names, value in ((("recompile_limit", "cache_size_limit"), RECOMPILES),
+                                   (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True))}
+    limits.pop(None, None)
 
     def run(*args):
         with config.patch(**limits):
