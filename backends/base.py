@@ -157,9 +157,10 @@ class TargetBackend(ABC):
         """Wait for queued device work; the lanes call it at the end of every job, so that a span on an
         asynchronous device (CUDA, MPS) ends when its kernels do, not when they were launched."""
 
-    def warm(self, positions: int) -> int:
-        """Run now every step shape a context of up to `positions` can meet, where a shape costs something on its
-        first use (a CUDA graph's capture), leaving the cache's content as it is; how many steps ran."""
+    def warm(self, positions: int | None) -> int:
+        """Run now every step shape a context of up to `positions` can meet (None: of as many positions as the cache
+        holds now, which grows no cache), where a shape costs something on its first use (a CUDA graph's capture),
+        leaving the cache's content as it is; how many steps ran."""
         return 0
 
     def fork(self) -> "TargetBackend":
@@ -201,8 +202,9 @@ class DraftBackend(ABC):
     def synchronize(self) -> None:
         """As for the target: wait for queued device work (called by the lanes after every job)."""
 
-    def warm(self, positions: int) -> int:
-        """As for the target: every block and catch-up shape up to `positions`, run now; how many steps ran."""
+    def warm(self, positions: int | None) -> int:
+        """As for the target: every block and catch-up shape up to `positions` (None: what the cache holds), run now;
+        how many steps ran."""
         return 0
 
     def fork(self) -> "DraftBackend":
@@ -235,7 +237,7 @@ class WrappedDraft(DraftBackend):
     def synchronize(self) -> None:
         self.inner.synchronize()
 
-    def warm(self, positions: int) -> int:
+    def warm(self, positions: int | None) -> int:
         return self.inner.warm(positions)
 
     def propose(self, anchor: int, position: int | None = None, size: int | None = None):

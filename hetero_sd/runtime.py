@@ -451,17 +451,19 @@ class Runtime:
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
     def warms(self) -> bool:
-        """Whether a step shape costs something on its first use here (fixed-shape steps: captured as CUDA graphs,
-        compiled, or mx.compile's), so that `serve` and `chat` run `warm` over the whole context before the
-        first answer waits on it."""
-        return any(mode != "eager" for mode in self.info.get("steps", {}).values())
+        """Whether a step shape costs something on its first use here (steps captured as CUDA graphs, or compiled:
+        torch.compile's, mx.compile's), so that `serve` and `chat` run `warm` before the first answer waits on it."""
+        return any(mode in ("graphs", "compiled") for mode in self.info.get("steps", {}).values())
 
-    def warm(self, positions: int) -> int:
+    def warm(self, positions: int | None = None) -> int:
         """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape
         costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a
-        generation: bench's warm-up; the free pairs' cache content is left as it is. How many steps ran."""
+        generation; the free pairs' cache content is left as it is. None: every shape of the caches as allocated
+        (the whole context where a CUDA cache fits whole; no cache grows): serve's and chat's warm-up. bench's
+        passes its longest prompt and answer. How many steps ran."""
         self.check_open()
-        positions = validate.integer("positions", positions, 1)
+        if positions is not None:
+            positions = validate.integer("positions", positions, 1)
         ran = 0
         for target, draft in list(self.slots.free):
             ran += self.target_lane.call(partial(target.warm, positions))

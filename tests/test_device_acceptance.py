@@ -125,6 +125,8 @@ def test_verdicts_are_the_hosts(params, rule):
         logits[1, 7] = bad
         assert on_device.checked(on_device.checks(logits, None).tolist()) == [0, 0]
     assert on_device.checked(on_device.checks(torch.full((3, 40), 3e38), torch.tensor(2)).tolist()) == [1, 2]
+    ids = torch.tensor([0, 2**24 - 1, 151935, 262143])  # every id of any vocabulary survives the float32 read
+    assert [int(x) for x in torch.cat([torch.zeros(1), ids]).tolist()[1:]] == ids.tolist()
 
 
 class Ops(TorchDispatchMode):

@@ -276,6 +276,29 @@ def test_a_bench_captures_no_step_inside_a_timed_prompt(tiny_llama, tiny_draft, 
     assert new_when_timed == []
 
 
+def test_a_warm_up_of_the_caches_as_allocated_grows_none(tiny_llama, tiny_draft):
+    """Runtime.warm() (serve's and chat's): the shapes of the caches as they are allocated (the whole context
+    where a CUDA cache fits whole), none grown; a cache for fixed steps holds a padded step's rows past the
+    context, so that no step near its end grows a cache allocated whole."""
+    from hetero_sd.backends.torch_backend.steps import PAST
+
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    caches = [m.cache for m in (rt.target, rt.draft)]
+    sizes = [c.k[0].shape[2] for c in caches]
+    assert rt.warm() > 0 and [c.k[0].shape[2] for c in caches] == sizes
+    assert [c.limit for c in caches] == [rt.target.max_context + PAST] * 2
+    assert load(tiny_llama, tiny_draft, policy=EAGER).target.cache.limit == rt.target.max_context
+
+
+def test_where_a_warm_up_pays(tiny_llama):
+    """Runtime.warms: captured or compiled steps cost something on a shape's first use; fixed and eager ones not."""
+    rt = load(tiny_llama)
+    for steps, warms in (({"target": "graphs", "draft": "eager"}, True), ({"target": "eager", "draft": "compiled"}, True),
+                         ({"target": "fixed", "draft": "fixed"}, False), ({"target": "eager", "draft": "eager"}, False)):
+        rt.info["steps"] = steps
+        assert rt.warms() is warms
+
+
 def test_warming_the_steps_leaves_the_caches_as_they_were(tiny_llama, tiny_draft, eager_tokens):
     """Runtime.warm runs its steps past what the caches hold: a prefix cached before it is reused after it, and the
     tokens stay the eager ones."""
@@ -321,6 +344,7 @@ def test_warming_asks_for_a_positive_whole_number_of_positions(tiny_llama):
     from hetero_sd.errors import InvalidArgumentError
 
     rt = load(tiny_llama)
-    for bad in (0, -3, 2.5, "300", None):
+    for bad in (0, -3, 2.5, "300"):
         with pytest.raises(InvalidArgumentError, match="positions must be"):
             rt.warm(bad)
+    assert rt.warm(None) == rt.warm() == 0  # (None: the caches as allocated; eager steps warm nothing)

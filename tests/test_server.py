@@ -372,25 +372,26 @@ def test_sigterm_finishes_and_exits(tiny_llama, tiny_draft, tmp_path):
             proc.wait()
 
 
-def test_serve_warms_its_steps_before_it_listens(tiny_llama, tiny_draft):
-    """Where a step shape costs something on its first use (captured or compiled steps; here the fixed-shape steps
-    that a GPU captures), `serve` runs every shape up to the context limit before it takes a request, and says so."""
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HETERO_SD_FUSED="off", HETERO_SD_QUANT="off", HETERO_SD_STEPS="fixed")
-    proc = subprocess.Popen([sys.executable, "-m", "hetero_sd.cli", "serve", "--target", str(tiny_llama),
-                             "--draft", str(tiny_draft), "--threads", "1", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    try:
-        until_healthy(proc, f"http://127.0.0.1:{port}")
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        out = proc.stdout.read().decode()
-        warmed, listening = out.find("step shapes ready in"), out.find("serving ")
-        assert 0 <= warmed < listening and "warming the steps up to" in out, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+@pytest.mark.parametrize("warms", [True, False])
+def test_serve_warms_its_steps_before_it_listens(tiny_llama, tiny_draft, monkeypatch, capsys, warms):
+    """Where a step shape costs something on its first use (Runtime.warms: captured or compiled steps; here the
+    fixed-shape steps a GPU captures, said to), `serve` runs every shape of its caches before it takes a request,
+    and says so; where none does, nothing."""
+    import hetero_sd.server
+    from hetero_sd.cli.main import main
+    from hetero_sd.runtime import Runtime
+
+    ran, real_warm = [], Runtime.warm
+    monkeypatch.setenv("HETERO_SD_FUSED", "off")
+    monkeypatch.setenv("HETERO_SD_QUANT", "off")
+    monkeypatch.setenv("HETERO_SD_STEPS", "fixed")
+    monkeypatch.setattr(Runtime, "warms", lambda self: warms)
+    monkeypatch.setattr(Runtime, "warm", lambda self, *a: ran.append(real_warm(self, *a)) or ran[-1])
+    monkeypatch.setattr(hetero_sd.server, "serve", lambda rt, settings, **kw: 0)  # (listening: not this test's)
+    assert main(["serve", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--port", "0"]) == 0
+    err = capsys.readouterr().err
+    warmed, listening = err.find("step shapes ready in"), err.find("serving ")
+    assert listening >= 0 and (0 <= warmed < listening) is warms and (len(ran) == 1 and ran[0] > 0) is warms, err
 
 
 @pytest.mark.parametrize("argv, says", [(["--port", "70000"], "--port 70000"),

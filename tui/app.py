@@ -125,7 +125,7 @@ class ChatApp(App):
             ui(self.refresh_panel)
             if self.runtime.warms():  # every step shape of the context, here rather than inside the first answers
                 ui(self.set_ready, False, "Warming the steps up (captured once)...")
-                self.runtime.warm(self.runtime.target.max_context)
+                self.runtime.warm()
             # before the prefix cache is on: the baseline's prompt is computed, as a first question's is
             self.baseline = measure_baseline(self.runtime, self.settings["max_new_tokens"])
             self.runtime.prefix_cache = True  # a new turn reuses the caches of the conversation so far

@@ -26,7 +26,7 @@ from . import fused, quant8
 from .cpu import cpu_flags
 from .kernels import KernelUnavailable
 from .plan import LAYER_MATRICES, plan_matrices
-from .steps import BUCKETS, DraftSteps, steps_mode
+from .steps import BUCKETS, PAST, DraftSteps, steps_mode
 
 
 class DFlashDraft(nn.Module):
@@ -188,7 +188,6 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.format, self.convs, self.selector = m.format, m.convs, m.selector
         self.notes: list[str] = m.notes + ([head_note] if head_note and pack else [])
         self.rope = Rope(arch, device, dtype)
-        self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context)
         self.last_hidden: torch.Tensor | None = None
         self.feature_size = feature_size
         # the block and the context catch-up at fixed shapes (captured on CUDA): a plain DFlash draft on torch ops
@@ -198,6 +197,8 @@ class TorchDraft(CacheOwner, DraftBackend):
         self.steps, note = steps_mode(policy.steps, device, torch_ops, not any(callable(x) for x in matrices))
         if note:
             self.notes.append(f"draft: {note}")
+        # (fixed steps: room for a block's and a padded catch-up's rows past the context, as the target's)
+        self.cache = KVCache(arch, arch.num_hidden_layers, device, dtype, max_context + PAST * (self.steps != "eager"))
         self.fixed = self.fixed_steps()
 
     def fixed_steps(self) -> DraftSteps | None:
@@ -207,7 +208,7 @@ class TorchDraft(CacheOwner, DraftBackend):
                           partial(self.format.block_rows, block_size=self.block_size))
 
     @torch.inference_mode()
-    def warm(self, positions: int) -> int:
+    def warm(self, positions: int | None) -> int:
         return 0 if self.fixed is None else self.fixed.warm(positions, self.mask_token_id)
 
     @property

@@ -21,6 +21,7 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (symbolic shapes' settings: `compiled`)
 
 from hetero_sd.errors import DeviceFailedError
 
@@ -31,6 +32,10 @@ BUCKETS = (1, 2, 4, 8, 16)  # row counts a step is captured for: decode, verify-
 # launches as a decode step whatever its length (~20 ms for the 135M default on an H200 VM, all of it before the
 # first token), captured one launch a chunk
 PREFILL = (32, 64, 128)
+# Slots past a model's context that a padded step may write (a prompt's last chunk padded up to its bucket; a
+# verify's padding, a draft's block and a catch-up's padding are fewer): a cache for fixed steps holds them, so that
+# a step near the context's end does not grow a cache allocated whole (which would drop every captured step)
+PAST = PREFILL[-1]
 MODES = ("auto", "eager", "fixed", "graphs", "compiled")
 
 
@@ -57,8 +62,9 @@ def steps_mode(asked: str, device: str, torch_ops: bool, torch_matmuls: bool = T
     if wanted == "graphs" and not cuda:
         return "fixed", f"CUDA graphs need a CUDA device, not {device}: fixed-shape steps run eagerly"
     if wanted == "compiled" and not torch_matmuls:
-        return "fixed", ("compiled steps need torch's matmuls; this model multiplies by native CPU kernels (GGUF "
-                         "blocks or the packed float32 GEMM): fixed-shape steps, uncompiled")
+        return ("graphs" if cuda else "fixed"), ("compiled steps need torch's matmuls; this model multiplies by "
+                                                 "native CPU kernels (GGUF blocks or the packed float32 GEMM): "
+                                                 "its steps run uncompiled")
     return wanted, None
 
 
@@ -79,20 +85,26 @@ def compiled(step: Callable, name: str) -> Callable:
     start (the weights' stay static): one compilation serves every bucket and tier, and a step function takes a
     few in all (one row or more, past the verify buckets or not, a tier that is the whole allocation or not),
     shared by every model of its shapes (the caches and inputs are read from the step's object at each call).
-    Past RECOMPILES the error is raised, not Dynamo's silent eager fallback."""
+    Past RECOMPILES the error is raised, not Dynamo's silent eager fallback. Without duck shapes: a row count that
+    equals a cache's dimension (8 rows, 8 KV heads) stays a symbol of its own, not a guard and a compilation more.
+    (Dynamo's config is thread-local from torch 2.12; before, the patch is safe where compilations cannot meet, as
+    on CUDA, where every compiled call is a capture's, under CAPTURE.)"""
     fn = torch.compile(step, fullgraph=True, dynamic=True)
-    config = torch._dynamo.config
+    config, shapes = torch._dynamo.config, torch.fx.experimental._config
     # (the first name of each that this torch has: the older names are aliases where both exist)
     limits = {next((k for k in names if hasattr(config, k)), None): value
               for names, value in ((("recompile_limit", "cache_size_limit"), RECOMPILES),
                                    (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True))}
     limits.pop(None, None)
+    ducks = {"use_duck_shape": False} if hasattr(shapes, "use_duck_shape") else {}
+    failures = tuple(e for e in (getattr(torch._dynamo.exc, n, None) for n in
+                                 ("TorchDynamoException", "FailOnRecompileLimitHit")) if e is not None)
 
     def run(*args):
-        with config.patch(**limits):
+        with config.patch(**limits), shapes.patch(**ducks):
             try:
                 return fn(*args)
-            except Exception as e:
+            except failures as e:  # (a device's own error, out of memory, is raised as it is)
                 raise DeviceFailedError(f"torch.compile of the {name} step failed "
                                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]})",
                                         "HETERO_SD_STEPS=graphs (or fixed) runs the steps uncompiled") from e
@@ -205,12 +217,14 @@ class Slots:
         self.cos = self.sin = self.keys = None
         self.memory = None
 
-    def warm_tiers(self, need: int) -> list[int]:
-        """The tiers of steps whose slots reach up to `need`, the cache reserved for them first (as a run that far
-        would: a cache grown between two warm steps would drop the first one's capture)."""
-        self.cache.reserve(need)
+    def warm_tiers(self, need: int | None) -> list[int]:
+        """The tiers of steps whose slots reach up to `need` (None: as many as the cache holds now), the cache
+        reserved for them first (as a run that far would: a cache grown between two warm steps would drop the first
+        one's capture). None grows nothing: past the allocation a cache grows, and its steps are captured anew then."""
+        if need is not None:
+            self.cache.reserve(need)
         allocated = self.cache.k[0].shape[2]
-        return sorted({tier(t, allocated) for t in tiers(need)})
+        return sorted({tier(t, allocated) for t in tiers(allocated if need is None else need)})
 
     def prepare(self, need: int, rope_need: int) -> int:
         """Room for slots [0, need) and RoPE positions [0, rope_need); returns the step's tier."""
@@ -273,12 +287,13 @@ class TargetSteps:
         logits = self.model.logits(out) if rows > BUCKETS[-1] else out.clone()
         return logits, None if features is None else features[:count].clone()
 
-    def warm(self, positions: int) -> int:
-        """Every (rows, tier) a context of up to `positions` slots can meet, run once past the cache's length: a
-        step whose last row fills its tier. What it writes there is overwritten before any row can see it (as a
-        padded bucket's rows are)."""
+    def warm(self, positions: int | None) -> int:
+        """Every (rows, tier) a context of up to `positions` slots can meet (None: of the cache as allocated), run
+        once past the cache's length: a step whose last row fills its tier. What it writes there is overwritten
+        before any row can see it (as a padded bucket's rows are)."""
         length, ran = self.cache.length, 0
-        for t in self.slots.warm_tiers(positions + BUCKETS[-1]):  # (a verify at the end pads up to 16 rows)
+        # (a verify at the end pads up to 16 rows)
+        for t in self.slots.warm_tiers(None if positions is None else positions + BUCKETS[-1]):
             for rows in BUCKETS + PREFILL:
                 if length + rows <= t:
                     self([0] * rows, t - rows, last_only=True)
@@ -352,12 +367,13 @@ class DraftSteps:
         hidden = rms_norm(h[0, 1:size], m.norm, eps)
         return hidden, m.head(hidden)
 
-    def warm(self, positions: int, mask_token: int) -> int:
+    def warm(self, positions: int | None, mask_token: int) -> int:
         """Every block size (2..the draft's block) at each tier, and every catch-up bucket, run once past the
         context's length (what they write there is overwritten before a block sees it: the catch-up writes a
-        position before any block attends to it)."""
+        position before any block attends to it). None: the tiers of the cache as allocated."""
         length, ran = self.cache.length, 0
-        for t in self.slots.warm_tiers(positions + max(BUCKETS[-1], self.rows_of(self.block_size))):
+        past = max(BUCKETS[-1], self.rows_of(self.block_size))
+        for t in self.slots.warm_tiers(None if positions is None else positions + past):
             for size in range(2, self.block_size + 1):
                 rows = self.rows_of(size)
                 if length + rows <= t:

@@ -24,7 +24,7 @@ from .cpu import cpu_flags
 from .layers import (CacheOwner, DecoderLayer, KVCache, Rope, TorchOps, layer_weights, linear, orient, rms_norm,
                      layer_walk, through_layers)
 from .plan import LAYER_MATRICES, BlocksRefused, WeightPlan, kv_name, plan_target
-from .steps import BUCKETS, TargetSteps, mode_names, steps_mode
+from .steps import BUCKETS, PAST, TargetSteps, mode_names, steps_mode
 
 
 class TargetModel(nn.Module):
@@ -107,13 +107,14 @@ class TorchTarget(CacheOwner, TargetBackend):
         self.notes: list[str] = list(self.plan.notes)  # announced by the runtime (e.g. a kernel that did not build)
         self.weight_format, self.fused = self.plan.weights, self.plan.fused
         self.rope = Rope(cfg, device, dtype)
-        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype, self.max_context,
-                             self.plan.k_q8)
         # decode and verify at fixed shapes (captured as CUDA graphs on CUDA): steps.py
         self.steps, note = steps_mode(policy.steps, device, isinstance(self.model.ops, TorchOps),
                                       not any(callable(m) for m in self.model.matrices()))
         if note:
             self.notes.append(note)
+        # (fixed steps: room for a padded step's rows past the context, so that none grows a cache allocated whole)
+        self.cache = KVCache(cfg, cfg.num_hidden_layers, device, self.plan.kv_dtype or dtype,
+                             self.max_context + PAST * (self.steps != "eager"), self.plan.k_q8)
         self.fixed = self.fixed_steps()
         # named in the cost probe and its cache key (costs.backend_dtype): what a step's cost depends on
         named = [self.weight_format] * (self.weight_format != dtype_name(dtype)) + ["fused layer ops"] * self.fused
@@ -198,7 +199,7 @@ class TorchTarget(CacheOwner, TargetBackend):
         return TargetOutput(self.model.logits(normed), self.gather(captured) if features else None)
 
     @torch.inference_mode()
-    def warm(self, positions: int) -> int:
+    def warm(self, positions: int | None) -> int:
         return 0 if self.fixed is None else self.fixed.warm(positions)
 
     def gather(self, captured: list[torch.Tensor]) -> torch.Tensor | None:

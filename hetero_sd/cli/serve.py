@@ -96,6 +96,16 @@ def host(name: str, port: int) -> None:
                                        "pass an address of this machine: 127.0.0.1, ::1 or 0.0.0.0") from None
 
 
+def warm_up(rt) -> None:
+    """Every step shape of the caches, before the first request (which would pay their captures), where a shape
+    costs something on its first use (Runtime.warms)."""
+    if rt.warms():
+        err.print("[dim]warming the steps up (each shape captured once, before the first request)...[/]")
+        began = time.perf_counter()
+        ran = rt.warm()
+        err.print(f"[dim]{ran} step shapes ready in {time.perf_counter() - began:.1f} s[/]")
+
+
 def cmd_serve(args) -> int:
     from hetero_sd.server import Settings, model_name, serve
 
@@ -109,12 +119,7 @@ def cmd_serve(args) -> int:
                                                   seed=args.seed, rule=args.rule),
                         prefix_cache=not args.no_prefix_cache, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, tool_format=args.tool_call_format)
-    if rt.warms():  # every step shape up to the context limit, before the first request (which would pay them)
-        err.print(f"[dim]warming the steps up to {rt.target.max_context} positions (captured once, before the "
-                  "first request)...[/]")
-        began = time.perf_counter()
-        ran = rt.warm(rt.target.max_context)
-        err.print(f"[dim]{ran} step shapes ready in {time.perf_counter() - began:.1f} s[/]")
+    warm_up(rt)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "

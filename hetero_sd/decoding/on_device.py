@@ -36,10 +36,11 @@ def proposals(sampler: Sampler, draft_logits: torch.Tensor, rule: str,
 
 
 def checks(draft_logits: torch.Tensor, changed: torch.Tensor | None) -> torch.Tensor:
-    """What the verdict's read carries of the draft: float64 [the sum of its logits, finite exactly where every
-    logit is (a NaN or inf makes it NaN or inf; float64 cannot overflow on finite float32 logits), and, where the
-    lookup steered, how many rows it changed]. One or two kernels (torch.isfinite alone is four)."""
-    total = draft_logits.sum(dtype=torch.float64).view(1)
+    """What the verdict's read carries of the draft: float32 [the sum of (logit - logit), 0 exactly where every
+    logit is finite and NaN where one is not (no sum of finite values can overflow to look non-finite), and, where
+    the lookup steered, how many rows it changed]. Two or three kernels (torch.isfinite alone is four); float32,
+    as MPS has no float64."""
+    total = (draft_logits - draft_logits).sum(dtype=torch.float32).view(1)
     return total if changed is None else torch.cat([total, changed.view(1)])
 
 
@@ -76,11 +77,11 @@ def verdict(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor
             draft_checks: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int], list[int]]:
     """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids, `checked`
     of the `checks` read with them). The verdict is None where the draft's logits were not finite: a block drawn
-    from them is no proposal to accept from. The read is float64 (it holds every token id exactly); under the match
-    rule and at temperature 0 the accepted count is the host's, from the ids read (a few comparisons in Python,
-    where on the device they would be as many launches)."""
+    from them is no proposal to accept from. The read is float32, as the checks are: it holds every token id
+    exactly (ids below 2^24: any vocabulary). Under the match rule and at temperature 0 the accepted count is the
+    host's, from the ids read (a few comparisons in Python, where on the device they would be as many launches)."""
     device = target_logits.device
-    drafted, draft_checks = uploaded(drafted, device), uploaded(draft_checks, device).double()
+    drafted, draft_checks = uploaded(drafted, device), uploaded(draft_checks, device).float()
     if not sampler.params.greedy and rule == "rejection":
         return rejected(sampler, target_logits, drafted, uploaded(q, device), draft_checks)
     # the target's token at each row: its argmax, or (match rule) its draw with the uniform of position + i
@@ -113,7 +114,7 @@ def rejected(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tenso
     row = torch.where((a < n) & (total > 0), residual / total, row)
     token = inverse_cdf(row[None], keyed[n:].index_select(0, a))
     c = draft_checks.shape[0]
-    read = torch.cat([draft_checks, a, drafted, token]).tolist()  # (float64, as the checks are)
+    read = torch.cat([draft_checks, a, drafted, token]).tolist()  # (float32, as the checks are)
     ok, accepted, tokens = checked(read[:c]), int(read[c]), [int(t) for t in read[c + 1:c + 1 + n]]
     if not ok[0]:
         return None, tokens, ok
