@@ -82,9 +82,9 @@ def compiled(step: Callable, name: str) -> Callable:
     """`step` under torch.compile: inductor fuses its elementwise ops (norms, RoPE, the gate) into a few kernels,
     where eagerly each op is a kernel of its own, and on CUDA the Runner then captures those kernels like any
     step's. fullgraph: a graph break would run part of a step eagerly, unannounced. Shapes are symbolic from the
-    start (the weights' stay static): one compilation serves every bucket and tier, and a step function takes a
-    few in all (one row or more, past the verify buckets or not, a tier that is the whole allocation or not),
-    shared by every model of its shapes (the caches and inputs are read from the step's object at each call).
+    start (the weights' stay static): one compilation serves every bucket and tier, and a function takes a few in
+    all (one row or more, a tier that is the whole allocation or not, a branch on the rows), shared by every model
+    of its shapes (caches and inputs are read at each call, from its arguments or the step's object).
     Past RECOMPILES the error is raised, not Dynamo's silent eager fallback. Without duck shapes: a row count that
     equals a cache's dimension (8 rows, 8 KV heads) stays a symbol of its own, not a guard and a compilation more.
     (Dynamo's config is thread-local from torch 2.12; before, the patch is safe where compilations cannot meet, as
@@ -185,11 +185,33 @@ class FixedOps(TorchOps):
     reads the cache's first slots under the step's mask (as many as the mask has columns: the step's tier)."""
 
     def attention(self, layer, x, cache: KVCache, i: int, positions, cos, sin, mask):
-        q, k, v = layer.project_qkv(x, cos, sin)
-        cache.k[i].index_copy_(2, positions, k)
-        cache.v[i].index_copy_(2, positions, v)
-        tier = mask.shape[-1]
-        return layer.attention(q, cache.k[i][:, :, :tier], cache.v[i][:, :, :tier], mask)
+        return attend_slots(layer, x, cache.k[i], cache.v[i], positions, cos, sin, mask)
+
+
+def attend_slots(layer, x, keys: torch.Tensor, values: torch.Tensor, positions, cos, sin, mask):
+    q, k, v = layer.project_qkv(x, cos, sin)
+    keys.index_copy_(2, positions, k)
+    values.index_copy_(2, positions, v)
+    tier = mask.shape[-1]
+    return layer.attention(q, keys[:, :, :tier], values[:, :, :tier], mask)
+
+
+class CompiledOps(FixedOps):
+    """FixedOps whose whole layer (both halves, their residual adds and the next layer's norm) is one compiled
+    function, its weights among its arguments: every layer of a model shares its compilations, which cost a layer's
+    tracing, not the model's depth (compiling a whole step traces every layer again). The embedding, masks, final
+    norm and head around the layers stay eager ops in the step (captured with it on CUDA)."""
+
+    def __init__(self, eps: float):
+        super().__init__(eps)
+        self.compiled = compiled(self.whole_layer, "target's layer")
+
+    def whole_layer(self, layer, post_norm, next_norm, h, x, keys, values, positions, cos, sin, mask):
+        h, x = self.add_norm(h, attend_slots(layer, x, keys, values, positions, cos, sin, mask), post_norm)
+        return self.add_norm(h, layer.mlp(x), next_norm)
+
+    def layer(self, layer, post_norm, next_norm, h, x, cache: KVCache, i: int, positions, cos, sin, mask):
+        return self.compiled(layer, post_norm, next_norm, h, x, cache.k[i], cache.v[i], positions, cos, sin, mask)
 
 
 def tiers(positions: int) -> list[int]:
@@ -255,11 +277,9 @@ class TargetSteps:
     def __init__(self, model, cache: KVCache, rope: Rope, capture: frozenset, gather, mode: str):
         self.model, self.cache, self.capture, self.gather = model, cache, capture, gather
         self.inputs = torch.zeros(2, PREFILL[-1], dtype=torch.long, device=cache.device)
-        self.ops = FixedOps(model.config.rms_norm_eps)
+        self.ops = (CompiledOps if mode == "compiled" else FixedOps)(model.config.rms_norm_eps)
         self.runner = Runner(mode, cache.device)
         self.slots = Slots(cache, rope, self.runner)
-        if mode == "compiled":
-            self.step = compiled(self.step, "target's")
 
     def __call__(self, token_ids: Sequence[int], start: int, tail: torch.Tensor | None = None,
                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
