@@ -19,8 +19,8 @@
 # prompts, 20); 5 chat prompts in float32 (the lossless check: DFlash's tokens the target's own); HumanEval with the
 # peers (HE_LIMIT, 10: the peers run at ~26-32 tok/s there, ~100 s for 20 prompts each); chat with its acceptance on
 # the host (the lookup's exact steering, three reads a block: what one read is worth against the device's path-only
-# steering); chat with the context lookup off. TOKENS (128) each. A bench that
-# fails to capture a CUDA graph is run again once, and every bench after it, with HETERO_SD_STEPS=fixed (pair.log says so).
+# steering); chat with the context lookup off; chat with the steps compiled (HETERO_SD_STEPS=compiled). TOKENS (128)
+# each. A bench that fails to capture a CUDA graph is run again once, and every bench after it, with HETERO_SD_STEPS=fixed (pair.log says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -108,6 +108,9 @@ run)
     bench humaneval 100 --dataset humaneval --limit ${HE_LIMIT:-10} --peers transformers,zlab-reference
     bench chat-host-acceptance 40 --dataset chat --acceptance host
     bench chat-no-lookup 40 --dataset chat --lookup 0
+    # the steps under torch.compile, then captured: against the first chat run's captured eager kernels (bench's
+    # warm-up holds the compilations, outside its timed prompts)
+    HETERO_SD_STEPS=${HETERO_SD_STEPS:-compiled} bench chat-compiled 90 --dataset chat
     ;;
 *)
     sed -n 2,17p "$0"; exit 2
