@@ -541,6 +541,38 @@ def training_section() -> list[str]:
 GPU_CHECK = ("gpu/gpu_check.json", "gpu_check.json")  # benchmarks/gpu_check.py's output, where it was committed
 
 
+def gpu_goals(doc: dict) -> list[str]:
+    """The accelerator path's goals, each against what the check measured (a row it did not measure: '-'): step
+    costs per shape, the loop against its own costs' prediction, the host CPU's draft beside the GPU's."""
+    shapes, e2e = doc.get("shapes", {}), doc.get("e2e", {})
+    rows = []
+
+    def goal(what: str, value, limit: float, below: bool, fmt: str = "{:.2f}") -> None:
+        met = "-" if value is None else ("yes" if (value <= limit if below else value >= limit) else "**no**")
+        rows.append(f"| {what} | {'-' if value is None else fmt.format(value)} | {'<=' if below else '>='} "
+                    f"{fmt.format(limit)} | {met} |")
+
+    def oracle(shape: str, place: str, schedule: str) -> dict:
+        return e2e.get(f"{shape}/oracle-full-b8/{place}/{schedule}/graphs", {})
+
+    goal("qwen3-4b: decode step, x its floor", shapes.get("qwen3-4b", {}).get("decode_x_floor"), 1.3, True)
+    goal("smollm2-135m: decode step, ms", shapes.get("smollm2-135m", {}).get("decode_ms"), 1.5, True)
+    for name, res in shapes.items():
+        goal(f"{name}: verify of 16, decode steps", res.get("verify_x_decode", {}).get("16"), 1.15, True)
+        goal(f"{name}: draft block of 8, decode steps", res.get("draft_x_decode", {}).get("8"), 0.15, True)
+    places = {k.split("/")[2] + "/" + k.split("/")[3] for k in e2e if "/oracle-" in k}
+    gpu = next((p for p in sorted(places) if p.split("/")[0] == p.split("/")[1]), None)  # (e.g. cuda/cuda)
+    host = next((p for p in sorted(places) if p.endswith("/cpu") and p != gpu), None)  # (cuda/cpu)
+    for name in (n for n in shapes if any(k.startswith(f"{n}/oracle-") for k in e2e)):
+        goal(f"{name}: oracle block 8 (full acceptance), of its costs' prediction",
+             oracle(name, gpu, "sequential").get("of_prediction") if gpu else None, 0.9, False)
+        ours, beside = oracle(name, gpu, "sequential").get("tok_s"), oracle(name, host, "overlap").get("tok_s")
+        goal(f"{name}: the host CPU's draft (overlap) against the GPU's (sequential), tok/s",
+             beside / ours if ours and beside else None, 1.0, False)
+    return ["Against the goals (the pair's goals against HF generate and z-lab's loop are the pair's benches):", "",
+            *table("goal", "measured", "goal", "met"), *rows]
+
+
 def gpu_section(path: Path | None = None) -> list[str]:
     """The accelerator check (benchmarks/gpu_check.py), when its JSON is committed: step costs per model shape
     against the device's floors, then tokens/s end to end (oracle drafts: full or set acceptance)."""
@@ -587,6 +619,7 @@ def gpu_section(path: Path | None = None) -> list[str]:
         lines.append(f"| {name} | {row['tok_s']:.1f} | {'-' if decode is None else f'{decode:.1f}'} | {row['tau']:.2f} | "
                      f"{'-' if speed is None else f'{speed:.2f}x'} | {same} | {'-' if share is None else f'{share:.2f}'}"
                      f"{'' if e2e_share is None else f' ({e2e_share:.2f})'} |")
+    lines += ["", *gpu_goals(doc)]
     if doc.get("skipped"):
         lines += ["", "Skipped (time budget): " + "; ".join(doc["skipped"]) + "."]
     if doc.get("errors"):

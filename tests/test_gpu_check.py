@@ -19,7 +19,8 @@ def test_gpu_check_writes_every_row(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     assert gpu_check.main(["--device", "cpu", "--dtype", "float32", "--cpu-draft-dtype", "float32", "--shapes", "tiny",
                            "--e2e-shapes", "tiny", "--tokens", "10", "--prompt", "12", "--context", "32",
-                           "--runs", "1", "--repeats", "1", "--blocks", "4", "--out", str(tmp_path)]) == 0
+                           "--runs", "1", "--repeats", "1", "--blocks", "4", "--compiled-shapes", "tiny",
+                           "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["errors"] == [] and result["skipped"] == []
     tiny = result["shapes"]["tiny"]
@@ -28,7 +29,13 @@ def test_gpu_check_writes_every_row(tmp_path):
     assert tiny["steps"] == "fixed" and not tiny["captured"] and tiny["eager"]["steps"] == "eager"
     rows = result["e2e"]
     assert rows["tiny/ar/graphs"]["tok_s"] > 0 and rows["tiny/hf-generate"]["same_tokens_as_ours"]
-    oracle = {k: v for k, v in rows.items() if "/oracle-" in k}
+    # the steps compiled (inductor's CPU kernels here): their costs and warm-up, the headline row lossless
+    compiled = tiny["compiled"]
+    assert compiled["steps"] == compiled["draft_steps"] == "compiled" and compiled["compilations"] > 0
+    assert compiled["decode_ms"] > 0 and compiled["warm_s"] > 0 and compiled["warm_steps"] > 0
+    assert rows["tiny/oracle-full-b4/cpu/cpu/sequential/compiled"]["identical_to_ar"]
+    assert rows["tiny/ar/compiled"]["launches_per_step"]["ops"] > 0
+    oracle = {k: v for k, v in rows.items() if "/oracle-" in k and not k.endswith("/compiled")}
     # (full and set acceptance x sequential and overlap, + full acceptance's sequential with host acceptance and
     # both sampled) x fixed and eager steps
     assert len(oracle) == 14
@@ -51,6 +58,7 @@ def test_gpu_check_writes_every_row(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     page = "\n".join(results_md.gpu_section(tmp_path / "gpu_check.json"))
     assert "| tiny | fixed-shape steps |" in page and "tiny/oracle-full-b4/cpu/cpu/sequential/graphs" in page
+    assert "| tiny: verify of 16, decode steps |" in page and "| smollm2-135m: decode step, ms | - |" in page
 
 
 def test_gpu_check_records_what_the_budget_left_out_and_a_failed_mode(tmp_path, monkeypatch):
