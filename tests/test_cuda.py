@@ -179,6 +179,23 @@ def test_a_cuda_cache_that_fits_is_allocated_whole_and_never_recaptured(tiny_lla
     assert t.cache.k[0].data_ptr() == memory and t.fixed.runner.captures == captures
 
 
+def test_a_warm_up_captures_every_shape_a_generation_meets(tiny_llama, tiny_draft, cuda_baseline):
+    """Runtime.warm() (serve's and chat's, once loaded): every step shape of the caches as allocated (whole: the
+    context limit and a padded step past it), so a generation after it captures nothing and moves no memory, and
+    its tokens are the eager ones."""
+    rt = graphs_runtime(tiny_llama, tiny_draft, block_size="fixed")
+    t, d = rt.target, rt.draft
+    memory = [t.cache.k[0].data_ptr(), d.cache.k[0].data_ptr()]
+    assert rt.warms() and rt.warm() > 0
+    captures = [t.fixed.runner.captures, d.fixed.runner.captures]
+    long = [(7 * i) % 60 + 4 for i in range(300)]
+    for prompt, base in zip(PROMPTS, cuda_baseline):
+        assert rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == base
+    rt.generate(long, max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert [t.fixed.runner.captures, d.fixed.runner.captures] == captures
+    assert [t.cache.k[0].data_ptr(), d.cache.k[0].data_ptr()] == memory
+
+
 FAILED_CAPTURE = """
 import torch
 from hetero_sd.backends.torch_backend.steps import Runner

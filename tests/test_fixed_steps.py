@@ -290,6 +290,29 @@ def test_a_warm_up_of_the_caches_as_allocated_grows_none(tiny_llama, tiny_draft)
     assert load(tiny_llama, tiny_draft, policy=EAGER).target.cache.limit == rt.target.max_context
 
 
+def test_after_a_warm_up_a_generation_meets_no_new_shape(tiny_llama, tiny_draft, eager_tokens, monkeypatch):
+    """What Runtime.warm() ran is every (rows, tier) and block shape a generation within the caches meets: none is
+    new after it (on CUDA: nothing captured inside an answer), and the tokens stay the eager ones."""
+    from hetero_sd.backends.torch_backend.steps import Runner
+
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    seen, new, real_run = set(), [], Runner.run
+
+    def run(self, key, fn):
+        if warmed and (id(self), key) not in seen:
+            new.append(key)
+        seen.add((id(self), key))
+        return real_run(self, key, fn)
+
+    warmed = False
+    monkeypatch.setattr(Runner, "run", run)
+    rt.warm()
+    warmed = True
+    for prompt, base in zip(PROMPTS, eager_tokens):
+        assert rt.generate(prompt, max_new_tokens=MAX_NEW, stop_at_eos=False).token_ids == base
+    assert new == []
+
+
 def test_where_a_warm_up_pays(tiny_llama):
     """Runtime.warms: captured or compiled steps cost something on a shape's first use; fixed and eager ones not."""
     rt = load(tiny_llama)
