@@ -564,7 +564,7 @@ def gpu_goals(doc: dict) -> list[str]:
     gpu = next((p for p in sorted(places) if p.split("/")[0] == p.split("/")[1]), None)  # (e.g. cuda/cuda)
     host = next((p for p in sorted(places) if p.endswith("/cpu") and p != gpu), None)  # (cuda/cpu)
     for name in (n for n in shapes if any(k.startswith(f"{n}/oracle-") for k in e2e)):
-        goal(f"{name}: oracle block 8 (full acceptance), of its costs' prediction",
+        goal(f"{name}: oracle block 8 (full acceptance, graphs), of its costs' prediction",
              oracle(name, gpu, "sequential").get("of_prediction") if gpu else None, 0.9, False)
         ours, beside = oracle(name, gpu, "sequential").get("tok_s"), oracle(name, host, "overlap").get("tok_s")
         goal(f"{name}: the host CPU's draft (overlap) against the GPU's (sequential), tok/s",

@@ -292,7 +292,9 @@ class Runtime:
             ("the verify gate", req.gate is not None),
             ("the context lookup under the rejection rule", req.lookup is not None and not p.greedy
              and req.rule == "rejection"),
-            ("a DFlash2 selector", str(self.info.get("draft_format") or "").startswith("dflash2"))) if holds]
+            ("a DFlash2 selector", str(self.info.get("draft_format") or "").startswith("dflash2")),
+            # (the draws' float64 uniforms and sums: MPS has no float64; the greedy read is float32)
+            ("sampling on MPS", not p.greedy and torch.device(self.target.device).type == "mps")) if holds]
         return f"host ({', '.join(why)})" if why else "device"
 
     def grammar(self, json_schema, grammar: str | None, stop_at_eos: bool) -> Grammar | None:
@@ -451,9 +453,14 @@ class Runtime:
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
     def warms(self) -> bool:
-        """Whether a step shape costs something on its first use here (steps captured as CUDA graphs, or compiled:
-        torch.compile's, mx.compile's), so that `serve` and `chat` run `warm` before the first answer waits on it."""
-        return any(mode in ("graphs", "compiled") for mode in self.info.get("steps", {}).values())
+        """Whether a step shape costs something on its first use here (steps captured as CUDA graphs, or compiled)
+        and a model can run its shapes ahead (`warm`: torch's fixed steps; MLX compiles on first use), so that
+        `serve` and `chat` run `warm` before the first answer waits on it."""
+        steps, draft = self.info.get("steps", {}), self.draft
+        while hasattr(draft, "inner"):  # (a wrapper's warm is its inner draft's)
+            draft = draft.inner
+        return any(steps.get(role) in ("graphs", "compiled") and model is not None and type(model).warm is not base.warm
+                   for role, model, base in (("target", self.target, TargetBackend), ("draft", draft, DraftBackend)))
 
     def warm(self, positions: int | None = None) -> int:
         """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape

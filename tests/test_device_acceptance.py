@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -238,6 +239,13 @@ def test_where_acceptance_runs(tiny_llama, tiny_draft):
         "host (penalties, the verify gate)"
     with pytest.raises(InvalidArgumentError, match="acceptance must be one of"):
         hetero_sd.load(str(tiny_llama), str(tiny_draft), acceptance="gpu")
+    # on MPS (no float64 there) draws stay on the host; its greedy read is float32 (the decision, not run here)
+    req = SimpleNamespace(sampler=SimpleNamespace(params=SamplingParams(0.7), constraint=None), gate=None,
+                          lookup=None, rule="match")
+    rt.target = SimpleNamespace(device="mps")
+    assert rt.accepted_where(req, "sequential") == "host (sampling on MPS)"
+    req.sampler.params = SamplingParams()
+    assert rt.accepted_where(req, "sequential") == "device"
 
 
 @pytest.mark.parametrize("weight", [0.9, 0.4])

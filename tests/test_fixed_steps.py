@@ -313,13 +313,17 @@ def test_after_a_warm_up_a_generation_meets_no_new_shape(tiny_llama, tiny_draft,
     assert new == []
 
 
-def test_where_a_warm_up_pays(tiny_llama):
-    """Runtime.warms: captured or compiled steps cost something on a shape's first use; fixed and eager ones not."""
-    rt = load(tiny_llama)
+def test_where_a_warm_up_pays(tiny_llama, tiny_draft):
+    """Runtime.warms: captured or compiled steps cost something on a shape's first use; fixed and eager ones not;
+    and a model must be able to run its shapes ahead (torch's fixed steps can)."""
+    rt = load(tiny_llama, tiny_draft)
     for steps, warms in (({"target": "graphs", "draft": "eager"}, True), ({"target": "eager", "draft": "compiled"}, True),
                          ({"target": "fixed", "draft": "fixed"}, False), ({"target": "eager", "draft": "eager"}, False)):
         rt.info["steps"] = steps
         assert rt.warms() is warms
+    rt.draft = None  # (steps said compiled, but no model to run them ahead)
+    rt.info["steps"] = {"target": "eager", "draft": "compiled"}
+    assert not rt.warms()
 
 
 def test_warming_the_steps_leaves_the_caches_as_they_were(tiny_llama, tiny_draft, eager_tokens):

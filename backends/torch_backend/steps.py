@@ -75,6 +75,7 @@ def mode_names(mode: str, device: str) -> list[str]:
             "eager": []}[mode]
 
 
+COMPILING = threading.RLock()
 RECOMPILES = 32  # Dynamo's compilations of one step function, all models in a process (each takes <= 6)
 
 
@@ -87,8 +88,9 @@ def compiled(step: Callable, name: str) -> Callable:
     of its shapes (caches and inputs are read at each call, from its arguments or the step's object).
     Past RECOMPILES the error is raised, not Dynamo's silent eager fallback. Without duck shapes: a row count that
     equals a cache's dimension (8 rows, 8 KV heads) stays a symbol of its own, not a guard and a compilation more.
-    (Dynamo's config is thread-local from torch 2.12; before, the patch is safe where compilations cannot meet, as
-    on CUDA, where every compiled call is a capture's, under CAPTURE.)"""
+    One compiled call at a time in a process (COMPILING): before torch 2.12 Dynamo's config is the process's, and
+    two lanes' patches (a CPU draft's beside a GPU target's) would undo each other mid-compilation. On CUDA every
+    compiled call is a capture's, one at a time already."""
     fn = torch.compile(step, fullgraph=True, dynamic=True)
     config, shapes = torch._dynamo.config, torch.fx.experimental._config
     # (the first name of each that this torch has: the older names are aliases where both exist)
@@ -101,7 +103,7 @@ def compiled(step: Callable, name: str) -> Callable:
                                  ("TorchDynamoException", "FailOnRecompileLimitHit")) if e is not None)
 
     def run(*args):
-        with config.patch(**limits), shapes.patch(**ducks):
+        with COMPILING, config.patch(**limits), shapes.patch(**ducks):
             try:
                 return fn(*args)
             except failures as e:  # (a device's own error, out of memory, is raised as it is)
@@ -399,9 +401,11 @@ class DraftSteps:
                 if length + rows <= t:
                     self.block(0, mask_token, t - rows, t - rows, rows, size)
                     ran += 1
+        allocated = self.cache.k[0].shape[2]
         for rows in BUCKETS:
-            self.context(torch.zeros(rows, self.features.shape[1], device=self.features.device), length)
-            ran += 1
+            if positions is not None or length + rows <= allocated:  # (None grows no cache)
+                self.context(torch.zeros(rows, self.features.shape[1], device=self.features.device), length)
+                ran += 1
         return ran
 
     def context(self, features: torch.Tensor, start: int) -> None:
