@@ -191,6 +191,8 @@ class FixedOps(TorchOps):
 
 
 def attend_slots(layer, x, keys: torch.Tensor, values: torch.Tensor, positions, cos, sin, mask):
+    """The normed rows x's q|k|v, their K/V written to a layer's cache at the slots `positions`, and attention over
+    the tier's first slots under the step's mask, through o_proj."""
     q, k, v = layer.project_qkv(x, cos, sin)
     keys.index_copy_(2, positions, k)
     values.index_copy_(2, positions, v)
