@@ -124,6 +124,12 @@ class Slots:
         with self.lock:
             self.free.append(pair)
 
+    def prefork(self, pairs: int) -> None:
+        """Fork pairs until `pairs` are free (a server's concurrent requests each take one), on their lanes."""
+        while len(self.free) < pairs:
+            target = self.target_lane.call(self.target.fork)
+            self.give((target, None if self.draft is None else self.draft_lane.call(self.draft.fork)))
+
     def reusable(self, pair: tuple, prompt_ids: Sequence[int], use_draft: bool) -> int:
         """How many prompt positions this pair's caches already hold (at least one token is left to
         compute: the prefill's logits come from it)."""
@@ -462,15 +468,19 @@ class Runtime:
         return any(steps.get(role) in ("graphs", "compiled") and model is not None and type(model).warm is not base.warm
                    for role, model, base in (("target", self.target, TargetBackend), ("draft", draft, DraftBackend)))
 
-    def warm(self, positions: int | None = None) -> int:
+    def warm(self, positions: int | None = None, pairs: int = 1) -> int:
         """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape
         costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a
         generation; the free pairs' cache content is left as it is. None: every shape of the caches as allocated
         (the whole context where a CUDA cache fits whole; no cache grows): serve's and chat's warm-up. bench's
-        passes its longest prompt and answer. How many steps ran."""
+        passes its longest prompt and answer. `pairs`: first fork pairs until that many are free, as many requests
+        at once as a server takes (each fork's cache is allocated as the first's: whole only where it fits). How
+        many steps ran."""
         self.check_open()
         if positions is not None:
             positions = validate.integer("positions", positions, 1)
+        if validate.integer("pairs", pairs, 1) > 1:
+            self.slots.prefork(pairs)
         ran = 0
         for target, draft in list(self.slots.free):
             ran += self.target_lane.call(partial(target.warm, positions))

@@ -313,6 +313,21 @@ def test_after_a_warm_up_a_generation_meets_no_new_shape(tiny_llama, tiny_draft,
     assert new == []
 
 
+def test_a_warm_up_for_requests_at_once_forks_their_pairs(tiny_llama, tiny_draft, eager_tokens):
+    """warm(pairs=n): n free target/draft pairs, each with caches and steps of its own, all warmed; the tokens of
+    requests at once stay the eager ones."""
+    from hetero_sd.errors import InvalidArgumentError
+
+    rt = load(tiny_llama, tiny_draft, policy=FIXED, block_size="fixed")
+    one = rt.warm()
+    assert rt.warm(pairs=3) == 3 * one and len(rt.slots.free) == 3
+    assert len({id(t.fixed) for t, _ in rt.slots.free}) == len({id(d.cache) for _, d in rt.slots.free}) == 3
+    outs = rt.generate_many(PROMPTS, max_new_tokens=MAX_NEW, stop_at_eos=False)
+    assert [o.token_ids for o in outs] == eager_tokens and len(rt.slots.free) == 3
+    with pytest.raises(InvalidArgumentError, match="pairs"):
+        rt.warm(pairs=0)
+
+
 def test_where_a_warm_up_pays(tiny_llama, tiny_draft):
     """Runtime.warms: captured or compiled steps cost something on a shape's first use; fixed and eager ones not;
     and a model must be able to run its shapes ahead (torch's fixed steps can)."""

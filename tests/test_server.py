@@ -381,17 +381,19 @@ def test_serve_warms_its_steps_before_it_listens(tiny_llama, tiny_draft, monkeyp
     from hetero_sd.cli.main import main
     from hetero_sd.runtime import Runtime
 
-    ran, real_warm = [], Runtime.warm
+    ran, real_warm, free = [], Runtime.warm, []
     monkeypatch.setenv("HETERO_SD_FUSED", "off")
     monkeypatch.setenv("HETERO_SD_QUANT", "off")
     monkeypatch.setenv("HETERO_SD_STEPS", "fixed")
     monkeypatch.setattr(Runtime, "warms", lambda self: warms)
-    monkeypatch.setattr(Runtime, "warm", lambda self, *a: ran.append(real_warm(self, *a)) or ran[-1])
+    monkeypatch.setattr(Runtime, "warm", lambda self, *a, **k: ran.append(real_warm(self, *a, **k)) or
+                        free.append(len(self.slots.free)) or ran[-1])
     monkeypatch.setattr(hetero_sd.server, "serve", lambda rt, settings, **kw: 0)  # (listening: not this test's)
     assert main(["serve", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--port", "0"]) == 0
     err = capsys.readouterr().err
     warmed, listening = err.find("step shapes ready in"), err.find("serving ")
     assert listening >= 0 and (0 <= warmed < listening) is warms and (len(ran) == 1 and ran[0] > 0) is warms, err
+    assert free == ([4] if warms else [])  # a pair for each of the 4 requests at once (--workers' default)
 
 
 @pytest.mark.parametrize("argv, says", [(["--port", "70000"], "--port 70000"),

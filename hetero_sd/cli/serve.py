@@ -96,13 +96,14 @@ def host(name: str, port: int) -> None:
                                        "pass an address of this machine: 127.0.0.1, ::1 or 0.0.0.0") from None
 
 
-def warm_up(rt) -> None:
-    """Every step shape of the caches, before the first request (which would pay their captures), where a shape
-    costs something on its first use (Runtime.warms)."""
+def warm_up(rt, workers: int) -> None:
+    """Every step shape of the caches of as many target/draft pairs as requests run at once, before the first
+    request (which would pay their captures), where a shape costs something on its first use (Runtime.warms)."""
     if rt.warms():
-        err.print("[dim]warming the steps up (each shape captured once, before the first request)...[/]")
+        err.print(f"[dim]warming the steps of {workers} request slots up (each shape captured once, before the "
+                  "first request)...[/]")
         began = time.perf_counter()
-        ran = rt.warm()
+        ran = rt.warm(pairs=workers)
         err.print(f"[dim]{ran} step shapes ready in {time.perf_counter() - began:.1f} s[/]")
 
 
@@ -119,7 +120,7 @@ def cmd_serve(args) -> int:
                                                   seed=args.seed, rule=args.rule),
                         prefix_cache=not args.no_prefix_cache, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, tool_format=args.tool_call_format)
-    warm_up(rt)
+    warm_up(rt, args.workers)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]note:[/] listening on {args.host} without --api-key: anyone who reaches it can use it")
     err.print(f"[dim]serving {settings.model_name} on http://{args.host}:{args.port}/v1 "
