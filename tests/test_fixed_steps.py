@@ -230,7 +230,8 @@ def test_the_comparison_catches_padding_that_leaks(tiny_llama, eager_tokens, mon
         mask = torch.ones(rows, t, dtype=torch.bool)
         normed, captured = self.model(ids, self.cache, positions, self.slots.cos[positions],
                                       self.slots.sin[positions], mask, self.capture, ops=self.ops)
-        return self.model.logits(normed[0]), self.gather(captured)
+        logits = self.model.logits(normed[0])
+        return logits, self.gather(captured), logits.argmax(-1)
 
     monkeypatch.setattr(steps.TargetSteps, "step", leaky)
     rt = load(tiny_llama, policy=FIXED)

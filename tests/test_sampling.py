@@ -176,6 +176,19 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     assert sampling.argmax_rows(x)[1:4] == [7, 3001, 0]
 
 
+def test_a_greedy_token_is_read_off_the_steps_argmax_where_nothing_changes_the_logits():
+    """Sampler.sample(argmax=): a greedy row takes the argmax its step computed on the device (TargetOutput.argmax)
+    unless penalties or a grammar change the logits first; sampling never reads it."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    marked = torch.tensor([3])  # (not the logits' argmax: shows which was read)
+    assert Sampler(SamplingParams(), 0).sample(logits, argmax=marked) == [3]
+    assert Sampler(SamplingParams(), 0).sample(logits) == [1]
+    penalized = Sampler(SamplingParams(repetition_penalty=1.3), 0)
+    assert penalized.sample(logits, argmax=marked) == penalized.sample(logits)
+    sampled = Sampler(SamplingParams(0.8), 5)
+    assert sampled.sample(logits, argmax=marked) == Sampler(SamplingParams(0.8), 5).sample(logits)
+
+
 def test_draws_in_one_scan_are_the_row_by_row_draws():
     """inverse_cdf on an accelerator scans all rows at once: the same tokens as row by row (the CPU's way), with
     zero-probability tokens (never drawn, even at u = 0 or u near 1) and a one-hot row."""

@@ -286,11 +286,12 @@ class TargetSteps:
         self.slots = Slots(cache, rope, self.runner)
 
     def __call__(self, token_ids: Sequence[int], start: int, tail: torch.Tensor | None = None,
-                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(float32 logits [count, vocab] (or the last row's), context features [count, L*H] or None) of up to
-        PREFILL[-1] rows at positions start..: copies, safe to keep past the next step. `tail`: ids after token_ids
-        that are already on a device (a drafted block's argmax), copied into the inputs there, never read by the
-        host."""
+                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(float32 logits [count, vocab] (or the last row's), context features [count, L*H] or None, each row's
+        argmax or None) of up to PREFILL[-1] rows at positions start..: the logits and features copies, safe to keep
+        past the next step; the argmax the step's own memory, valid until the next (TargetOutput.argmax). `tail`:
+        ids after token_ids that are already on a device (a drafted block's argmax), copied into the inputs there,
+        never read by the host."""
         head = len(token_ids)
         count = head + (0 if tail is None else tail.shape[0])
         rows = bucket(count, BUCKETS + PREFILL)
@@ -305,11 +306,11 @@ class TargetSteps:
         to_device(self.inputs[:, :rows], host)
         if tail is not None and not on_host:
             self.inputs[0, head:count].copy_(tail)  # device to device, in stream order after the host's copy
-        out, features = self.runner.run((rows, t), lambda: self.step(rows, t))
-        out = out[count - 1:count] if last_only else out[:count]
+        out, features, top = self.runner.run((rows, t), lambda: self.step(rows, t))
+        kept = slice(count - 1, count) if last_only else slice(0, count)
         # a prefill chunk's graph ends at the final norm: the head runs here on the rows asked for (a prompt's last)
-        logits = self.model.logits(out) if rows > BUCKETS[-1] else out.clone()
-        return logits, None if features is None else features[:count].clone()
+        logits = self.model.logits(out[kept]) if rows > BUCKETS[-1] else out[kept].clone()
+        return logits, None if features is None else features[:count].clone(), None if top is None else top[kept]
 
     def warm(self, positions: int | None) -> int:
         """Every (rows, tier) a context of up to `positions` slots can meet (None: of the cache as allocated), run
@@ -331,20 +332,23 @@ class TargetSteps:
         logits, features = [], []
         for at in range(0, len(token_ids), PREFILL[-1]):
             chunk = token_ids[at:at + PREFILL[-1]]
-            out, captured = self(chunk, start + at, last_only=last_only)
+            out, captured, _ = self(chunk, start + at, last_only=last_only)
             logits.append(out)
             features.append(captured)
         logits = logits[-1] if last_only else torch.cat(logits)
         return logits, None if features[0] is None else torch.cat(features)
 
-    def step(self, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(self, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         ids, positions, s = self.inputs[0:1, :rows], self.inputs[1, :rows], self.slots
         mask = s.keys[None, :t] <= positions[:, None]  # causal over the tier's slots: [rows, t]
         normed, captured = self.model(ids, self.cache, positions, s.cos[positions], s.sin[positions], mask,
                                       self.capture, ops=self.ops)
         # Past the verify buckets (a prompt's chunks) the normed hidden states, not logits: a captured output lives
         # as long as its graph, and 128 rows of float32 logits over a 151,936-word vocabulary are 78 MB a tier
-        return self.model.logits(normed[0]) if rows <= BUCKETS[-1] else normed[0], self.gather(captured)
+        if rows > BUCKETS[-1]:
+            return normed[0], self.gather(captured), None
+        logits = self.model.logits(normed[0])
+        return logits, self.gather(captured), logits.argmax(-1)  # (a greedy step's token: inside the graph)
 
 
 class DraftSteps:

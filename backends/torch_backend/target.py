@@ -181,11 +181,11 @@ class TorchTarget(CacheOwner, TargetBackend):
                 "shorten the prompt or lower max_new_tokens")
         if self.fixed is not None and (count <= BUCKETS[-1] or tail is None):
             if count <= BUCKETS[-1]:
-                logits, captured = self.fixed(token_ids, start, tail, last_only)
+                logits, captured, top = self.fixed(token_ids, start, tail, last_only)
             else:
-                logits, captured = self.fixed.prefill(token_ids, start, last_only)
+                (logits, captured), top = self.fixed.prefill(token_ids, start, last_only), None
             self.cache.length = start + count
-            return TargetOutput(logits, captured if features else None)
+            return TargetOutput(logits, captured if features else None, top)
         self.cache.reserve(start + count)
         cos, sin = self.rope.at(start, count)
         # a verify's causal mask, where the ops take one (the C++ attention masks its rows itself: ~37 us saved)

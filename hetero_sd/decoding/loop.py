@@ -145,7 +145,7 @@ def prefill(r: Request, features: bool):
         return r.target.forward(r.prompt_ids[r.reuse:], last_only=True, features=features)
     out = r.lanes.target("prefill", forward_prompt)
     r.stats.num_prompt_tokens = len(r.prompt_ids)
-    return r.sampler.at(len(r.prompt_ids)).sample(out.logits)[0], out.features
+    return r.sampler.at(len(r.prompt_ids)).sample(out.logits, argmax=out.argmax)[0], out.features
 
 
 def autoregressive(r: Request) -> Iterator[Step]:
@@ -157,8 +157,9 @@ def autoregressive(r: Request) -> Iterator[Step]:
 def finish_autoregressive(r: Request, token: int) -> Iterator[Step]:
     """Plain decoding from a state where `token` is emitted but not yet in the target's cache."""
     while not r.budget.done:
-        logits = r.lanes.target("decode", lambda: r.target.forward([token], features=False).logits)
-        token = r.sampler.at(r.target.length).sample(logits)[0]  # randomness keyed by position (sampling.py)
+        out = r.lanes.target("decode", lambda: r.target.forward([token], features=False))
+        # randomness keyed by position (sampling.py); a greedy token read off the step's argmax
+        token = r.sampler.at(r.target.length).sample(out.logits, argmax=out.argmax)[0]
         r.lanes.step += 1
         yield Step(r.emit([token]))
 
@@ -168,7 +169,7 @@ def plain_step(r: Request, anchor: int, pending: list[torch.Tensor]) -> tuple[St
     context features join `pending`, so that the draft can take over again at any step."""
     began = time.perf_counter()
     out = r.lanes.target("decode", lambda: r.target.forward([anchor]))
-    token = r.sampler.at(r.target.length).sample(out.logits)[0]
+    token = r.sampler.at(r.target.length).sample(out.logits, argmax=out.argmax)[0]
     r.policy.observe_plain(time.perf_counter() - began)
     r.stats.record_plain()
     r.lanes.step += 1
@@ -278,7 +279,8 @@ def verify_on_device(r: Request, anchor: int, p: Proposed):
 
     def verify_job():
         out = r.target.forward_block(anchor, p.drafted)
-        return out, on_device.verdict(r.sampler.at(p.start + 1), out.logits, p.drafted, p.q, p.checks, r.rule)
+        return out, on_device.verdict(r.sampler.at(p.start + 1), out.logits, p.drafted, p.q, p.checks, r.rule,
+                                      out.argmax)
 
     out, (verdict, tokens, (_, changed)) = r.lanes.target("verify", verify_job)
     if r.lookup:

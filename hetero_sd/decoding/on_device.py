@@ -74,18 +74,21 @@ def steered(logits: torch.Tensor, top: torch.Tensor, path: list[int], guesses: l
 
 
 def verdict(sampler: Sampler, target_logits: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None,
-            draft_checks: torch.Tensor, rule: str) -> tuple[Verdict | None, list[int], list[int]]:
+            draft_checks: torch.Tensor, rule: str,
+            target_argmax: torch.Tensor | None = None) -> tuple[Verdict | None, list[int], list[int]]:
     """verify's verdict on the drafted ids [n] from one read of the device: (the verdict, the drafted ids, `checked`
     of the `checks` read with them). The verdict is None where the draft's logits were not finite: a block drawn
     from them is no proposal to accept from. The read is float32, as the checks are: it holds every token id
     exactly (ids below 2^24: any vocabulary). Under the match rule and at temperature 0 the accepted count is the
-    host's, from the ids read (a few comparisons in Python, where on the device they would be as many launches)."""
+    host's, from the ids read (a few comparisons in Python, where on the device they would be as many launches).
+    `target_argmax`: the target's argmax per row where its step computed it (TargetOutput.argmax), read at once."""
     device = target_logits.device
     drafted, draft_checks = uploaded(drafted, device), uploaded(draft_checks, device).float()
     if not sampler.params.greedy and rule == "rejection":
         return rejected(sampler, target_logits, drafted, uploaded(q, device), draft_checks)
     # the target's token at each row: its argmax, or (match rule) its draw with the uniform of position + i
-    posterior = target_logits.argmax(-1) if sampler.params.greedy else sampler.draw(sampler.probs(target_logits), 0)
+    posterior = (target_logits.argmax(-1) if target_argmax is None else target_argmax) if sampler.params.greedy \
+        else sampler.draw(sampler.probs(target_logits), 0)
     n, c = drafted.shape[0], draft_checks.shape[0]
     read = torch.cat([draft_checks, posterior, drafted]).tolist()
     ok, target, tokens = checked(read[:c]), [int(t) for t in read[c:c + n + 1]], [int(t) for t in read[c + n + 1:]]

@@ -132,9 +132,14 @@ class Sampler:
         u = uploaded(torch.tensor(self.uniforms(probs.shape[0], offset, purpose), dtype=torch.float64), probs.device)
         return inverse_cdf(probs, u)
 
-    def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None) -> list[int]:
-        """One token per row, row i being the token at position + i."""
+    def sample(self, logits: torch.Tensor, drafted: Sequence[int] | None = None,
+               argmax: torch.Tensor | None = None) -> list[int]:
+        """One token per row, row i being the token at position + i. `argmax`: each row's argmax where the step
+        computed it on the device (TargetOutput.argmax), which a greedy row without penalties or a grammar reads
+        instead of reducing the logits again."""
         if self.params.greedy:
+            if argmax is not None and not self.params.penalized and self.constraint is None:
+                return argmax.tolist()
             return argmax_rows(self.penalize(logits, drafted))
         return self.draw(self.probs(logits, drafted), 0).tolist()
 
