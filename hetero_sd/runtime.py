@@ -115,10 +115,13 @@ class Slots:
                 best = max(range(len(self.free)), key=lambda i: common_prefix(
                     self.held.get(id(self.free[i][0]), ([], 0))[0], prompt_ids))
                 return self.free.pop(best)
-        # Forks allocate on the device, so they run on its lane (device-affine runtimes need that).
+        return self.fork()
+
+    def fork(self) -> tuple[TargetBackend, DraftBackend | None]:
+        """A new pair over the same weights. Forks allocate on the device, so they run on its lane (device-affine
+        runtimes need that)."""
         target = self.target_lane.call(self.target.fork)
-        draft = None if self.draft is None else self.draft_lane.call(self.draft.fork)
-        return target, draft
+        return target, None if self.draft is None else self.draft_lane.call(self.draft.fork)
 
     def give(self, pair: tuple) -> None:
         with self.lock:
@@ -127,8 +130,7 @@ class Slots:
     def prefork(self, pairs: int) -> None:
         """Fork pairs until `pairs` are free (a server's concurrent requests each take one), on their lanes."""
         while len(self.free) < pairs:
-            target = self.target_lane.call(self.target.fork)
-            self.give((target, None if self.draft is None else self.draft_lane.call(self.draft.fork)))
+            self.give(self.fork())
 
     def reusable(self, pair: tuple, prompt_ids: Sequence[int], use_draft: bool) -> int:
         """How many prompt positions this pair's caches already hold (at least one token is left to

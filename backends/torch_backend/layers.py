@@ -178,11 +178,9 @@ def through_layers(ops, walk, h, first_norm, cache: KVCache, start: int, cos, si
     for i, (layer, post_norm, next_norm) in enumerate(walk):
         if whole is not None:
             h, x = whole(layer, post_norm, next_norm, h, x, cache, i, start, cos, sin, mask)
-            if i in capture:
-                captured.append(h)
-            continue
-        h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), post_norm)
-        h, x = ops.add_norm(h, ops.mlp(layer, x), next_norm)
+        else:
+            h, x = ops.add_norm(h, ops.attention(layer, x, cache, i, start, cos, sin, mask), post_norm)
+            h, x = ops.add_norm(h, ops.mlp(layer, x), next_norm)
         if i in capture:
             captured.append(h)
     return x, captured
