@@ -297,11 +297,11 @@ def verify_on_device(r: Request, anchor: int, p: Proposed):
 def ahead(r: Request, anchor: int, pending: list[torch.Tensor]):
     """The next step's choice, and where it is a draft block, its device work launched now, before the step just
     verified is yielded: the draft's catch-up, its block and the proposals run on the device while the host hands
-    the step on (the caller's work, text decoding, a stream's write). Returns ("size", the choice) for a plain or
+    the step on (the caller's work, text decoding, a stream's write). Returns the choice (an int) for a plain or
     lookup step, (the logits, their Proposed) for a launched block, or FAULT (the draft failed: recorded)."""
     size = r.block_size()
     if size == PLAIN or getattr(r.policy, "via_lookup", False):
-        return "size", size
+        return size
     logits = timed_draft(r, partial(next_block, r, pending, anchor, None, size))
     if logits is None:
         return FAULT
@@ -328,11 +328,10 @@ def speculative(r: Request) -> Iterator[Step]:
         if launched is FAULT:
             yield from finish_autoregressive(r, anchor)
             return
-        if launched is not None and launched[0] != "size":
+        if isinstance(launched, tuple):  # (a type test: comparing the logits with a value costs a torch op)
             logits, proposed = launched
         else:
-            logits, anchor = yield from plain_or_drafted(r, anchor, pending, None,
-                                                         launched[1] if launched is not None else None)
+            logits, anchor = yield from plain_or_drafted(r, anchor, pending, None, launched)
             if logits is FAULT:
                 return
             if logits is None:
@@ -351,7 +350,7 @@ def speculative(r: Request) -> Iterator[Step]:
         launched = None
         if proposed is not None and not r.budget.done:
             launched = ahead(r, anchor, pending)
-            if launched is not FAULT and launched[0] != "size":
+            if isinstance(launched, tuple):
                 pending = []  # the launched block's catch-up took them
         yield step
     keep_context(r, pending)
