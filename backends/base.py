@@ -163,8 +163,9 @@ class TargetBackend(ABC):
 
     def warm(self, positions: int | None) -> int:
         """Run now every step shape a context of up to `positions` can meet (None: of as many positions as the cache
-        holds now, which grows no cache), where a shape costs something on its first use (a CUDA graph's capture),
-        leaving the cache's content as it is; how many steps ran."""
+        holds now, which grows no cache; MLX, which allocates as it goes, takes its first slots), where a shape costs
+        something on its first use (a CUDA graph's capture, a compilation), leaving the cache's content as it is;
+        how many steps ran."""
         return 0
 
     def fork(self) -> "TargetBackend":

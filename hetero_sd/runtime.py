@@ -461,9 +461,9 @@ class Runtime:
         return Generation(ids, self.tokenizer.decode(ids, skip_special_tokens=True), stats, prompt_ids)
 
     def warms(self) -> bool:
-        """Whether a step shape costs something on its first use here (steps captured as CUDA graphs, or compiled)
-        and a model can run its shapes ahead (`warm`: torch's fixed steps; MLX compiles on first use), so that
-        `serve` and `chat` run `warm` before the first answer waits on it."""
+        """Whether a step shape costs something on its first use here (steps captured as CUDA graphs, or compiled:
+        torch.compile, mx.compile) and a model can run its shapes ahead (`warm`), so that `serve` and `chat` run
+        `warm` before the first answer waits on it."""
         steps, draft = self.info.get("steps", {}), self.draft
         while hasattr(draft, "inner"):  # (a wrapper's warm is its inner draft's)
             draft = draft.inner
@@ -472,9 +472,10 @@ class Runtime:
 
     def warm(self, positions: int | None = None, pairs: int = 1) -> int:
         """Run now, on each device's lane, every step shape a context of up to `positions` can meet, where a shape
-        costs something on its first use (captured steps: a CUDA graph each), so that none is paid inside a
+        costs something on its first use (a CUDA graph's capture, a compilation), so that none is paid inside a
         generation; the free pairs' cache content is left as it is. None: every shape of the caches as allocated
-        (the whole context where a CUDA cache fits whole; no cache grows): serve's and chat's warm-up. bench's
+        (the whole context where a CUDA cache fits whole; no torch cache grows; an MLX cache, which grows as it
+        goes, its first slots): serve's and chat's warm-up. bench's
         passes its longest prompt and answer. `pairs`: first fork pairs until that many are free, as many requests
         at once as a server takes (each fork's cache is allocated as the first's: whole only where it fits). How
         many steps ran."""

@@ -87,3 +87,21 @@ def test_compiled_mlx_steps_are_lossless(reference, tiny_llama, tiny_draft, sche
         base = reference.generate(prompt, max_new_tokens=24, speculative=False, stop_at_eos=False)
         out = rt.generate(prompt, max_new_tokens=24, schedule=schedule, block="fixed", stop_at_eos=False)
         assert out.token_ids == base.token_ids and out.stats.num_drafts > 0
+
+
+def test_a_warm_up_compiles_every_shape_a_generation_meets(reference, tiny_llama, tiny_draft):
+    """Runtime.warm on mx.compile steps: each (rows, tier) of the target and each block and catch-up shape of the
+    draft compiled before the first answer (its first slots, where nothing is allocated yet, and as far as asked),
+    the tokens unchanged; a fork (requests at once) shares the compiled functions."""
+    rt = mlx_runtime(tiny_llama, tiny_draft, "fixed", block_size="fixed")
+    assert rt.warms() and not mlx_runtime(tiny_llama, tiny_draft, "eager").warms()
+    long_prompt = [(7 * i) % 60 + 4 for i in range(250)]  # grows past the first slots: a second tier
+    assert rt.warm() > 0 and rt.warm(len(long_prompt) + 24) > 0
+    compiled = {name: dict(model.compiled.fns) for name, model in (("target", rt.target), ("draft", rt.draft))}
+    for prompt in ([5, 9, 12], long_prompt):
+        base = reference.generate(prompt, max_new_tokens=24, speculative=False, stop_at_eos=False)
+        out = rt.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+        assert out.token_ids == base.token_ids and out.stats.num_drafts > 0
+    assert {"target": rt.target.compiled.fns, "draft": rt.draft.compiled.fns} == compiled  # nothing compiled since
+    twin = rt.target.fork()
+    assert twin.compiled.fns is rt.target.compiled.fns and twin.cache is not rt.target.cache

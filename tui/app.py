@@ -124,7 +124,7 @@ class ChatApp(App):
             self.runtime = (self.loader or load)(**self.load_kwargs)
             ui(self.refresh_panel)
             if self.runtime.warms():  # every step shape of the context, here rather than inside the first answers
-                ui(self.set_ready, False, "Warming the steps up (captured once)...")
+                ui(self.set_ready, False, "Warming the steps up (each shape captured or compiled once)...")
                 self.runtime.warm()
             # before the prefix cache is on: the baseline's prompt is computed, as a first question's is
             self.baseline = measure_baseline(self.runtime, self.settings["max_new_tokens"])

@@ -55,8 +55,11 @@ class MLXDraft(DraftBackend):
     def fork(self) -> "MLXDraft":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
-        twin.compiled = DraftSteps(twin) if self.compiled else None
+        twin.compiled = DraftSteps(twin, self.compiled.fns) if self.compiled else None  # (compiled once for both)
         return twin
+
+    def warm(self, positions: int | None) -> int:
+        return 0 if self.compiled is None else self.compiled.warm(positions)
 
     def add_context(self, features: torch.Tensor) -> None:
         start, count = self.cache.length, features.shape[0]

@@ -2,7 +2,8 @@
 shapes: rows rounded up to a bucket, the cache read as a tier of slots (torch_backend/steps.py's buckets and
 tiers). Each compiled function is pure: it reads the cache and returns the new rows' K/V, which the caller then
 writes in place with a slice update as the eager steps do, so a compiled trace is reused at every position
-(the position and the context length are arrays, not Python numbers).
+(the position and the context length are arrays, not Python numbers). A model's forks share its compiled
+functions: they read the shared weights and take the caches as arguments.
 
 Masks: the cache's slots from `start` on are hidden (-1e9, as the eager steps' causal mask does) and the new
 rows see one another causally (target) or all at once (the draft's block), so padding rows after the real ones
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from hetero_sd.backends.torch_backend.steps import bucket, tier
+from hetero_sd.backends.torch_backend.steps import BUCKETS, bucket, tier, tiers
 
 from .layers import rms_norm
 
@@ -50,10 +51,20 @@ def ensure(cache, like_heads: int, head_dim: int, need: int, dtype) -> int:
     return tier(need, cache.k[0].shape[2])
 
 
+def warm_tiers(cache, like_heads: int, head_dim: int, need: int | None, dtype) -> list[int]:
+    """The tiers of steps whose slots reach up to `need`, the cache grown to hold them first (a cache grown between
+    two warm steps would change the tiers: they are capped by the allocation). None: the cache as allocated, or its
+    first STEP of slots where nothing is yet (where every context starts; past it, shapes compile on first use)."""
+    allocated = None if cache.k[0] is None else cache.k[0].shape[2]
+    ensure(cache, like_heads, head_dim, (allocated or cache.STEP) if need is None else need, dtype)
+    allocated = cache.k[0].shape[2]
+    return sorted({tier(t, allocated) for t in tiers(allocated)})
+
+
 class TargetSteps:
-    def __init__(self, target):
+    def __init__(self, target, fns: dict | None = None):
         self.t = target
-        self.fns: dict = {}
+        self.fns: dict = {} if fns is None else fns  # (rows, slots) -> the compiled step
 
     def __call__(self, token_ids: Sequence[int], start: int, features: bool):
         t, count = self.t, len(token_ids)
@@ -91,11 +102,25 @@ class TargetSteps:
         feats = t.gather(captured) if t.layer_ids else mx.zeros((rows, 1), t.dtype)
         return (logits, feats, *new_k, *new_v)
 
+    def warm(self, positions: int | None) -> int:
+        """Every (rows, tier) a context of up to `positions` slots can meet, run once past the cache's length (what
+        it writes there is overwritten before any row can see it, as a padded bucket's rows are), so that each is
+        compiled now; how many ran."""
+        t, c, ran = self.t, self.t.config, 0
+        length = t.cache.length
+        for slots in warm_tiers(t.cache, c.num_key_value_heads, c.head_dim,
+                                None if positions is None else positions + BUCKETS[-1], t.dtype):
+            for rows in BUCKETS:
+                if length + rows <= slots:
+                    mx.eval(*self([0] * rows, slots - rows, True)[:1], *t.cache.k, *t.cache.v)
+                    ran += 1
+        return ran
+
 
 class DraftSteps:
-    def __init__(self, draft):
+    def __init__(self, draft, fns: dict | None = None):
         self.d = draft
-        self.fns: dict = {}
+        self.fns: dict = {} if fns is None else fns  # ("block", rows, size, slots) / ("context", rows) -> compiled
 
     def block(self, anchor: int, position: int, rows: int, size: int):
         """The block's final-normed hidden states [size-1, H] and its logits over the draft's head columns."""
@@ -138,6 +163,31 @@ class DraftSteps:
         n = len(d.layers)
         for i in range(n):
             d.cache.write(i, start, kv[i][:, :, :count], kv[n + i][:, :, :count])
+
+    def warm(self, positions: int | None) -> int:
+        """Every block size (2..the draft's block) at each tier, and every catch-up bucket, run once past the
+        context's length (what the catch-up writes there is overwritten before a block attends to it); how many."""
+        d, a, ran = self.d, self.d.arch, 0
+        length = d.cache.length
+        rows_of = [(size, d.format.block_rows(size, d.block_size)) for size in range(2, d.block_size + 1)]
+        past = max(BUCKETS[-1], max(rows for _, rows in rows_of))
+        try:
+            for slots in warm_tiers(d.cache, a.num_key_value_heads, a.head_dim,
+                                    None if positions is None else positions + past, d.dtype):
+                for size, rows in rows_of:
+                    if length + rows <= slots:
+                        d.cache.length = slots - rows  # (the block reads the context's length: its tier's last)
+                        mx.eval(*self.block(0, slots - rows, rows, size))
+                        ran += 1
+        finally:
+            d.cache.length = length
+        allocated = d.cache.k[0].shape[2]
+        for rows in BUCKETS:
+            if length + rows <= allocated:
+                self.context(mx.zeros((rows, d.fc.shape[0]), d.dtype), length)
+                mx.eval(*d.cache.k, *d.cache.v)
+                ran += 1
+        return ran
 
     def context_step(self, features, cos, sin):
         d = self.d

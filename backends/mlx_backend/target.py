@@ -53,8 +53,11 @@ class MLXTarget(TargetBackend):
     def fork(self) -> "MLXTarget":
         twin = copy.copy(self)
         twin.cache = self.cache.empty_like()
-        twin.compiled = TargetSteps(twin) if self.compiled else None
+        twin.compiled = TargetSteps(twin, self.compiled.fns) if self.compiled else None  # (compiled once for both)
         return twin
+
+    def warm(self, positions: int | None) -> int:
+        return 0 if self.compiled is None else self.compiled.warm(positions)
 
     def forward(self, token_ids: Sequence[int], *, last_only: bool = False, features: bool = True) -> TargetOutput:
         start, count = self.cache.length, len(token_ids)

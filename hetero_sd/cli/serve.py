@@ -98,9 +98,9 @@ def host(name: str, port: int) -> None:
 
 def warm_up(rt, workers: int) -> None:
     """Every step shape of the caches of as many target/draft pairs as requests run at once, before the first
-    request (which would pay their captures), where a shape costs something on its first use (Runtime.warms)."""
+    request (which would pay their captures or compilations), where a shape costs something on its first use (Runtime.warms)."""
     if rt.warms():
-        err.print(f"[dim]warming the steps of {workers} request slots up (each shape captured once, before the "
+        err.print(f"[dim]warming the steps of {workers} request slots up (each shape captured or compiled once, before the "
                   "first request)...[/]")
         began = time.perf_counter()
         ran = rt.warm(pairs=workers)
