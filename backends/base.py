@@ -64,8 +64,10 @@ def logits_of(block) -> torch.Tensor:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [T, vocab] float32: every new position, or only the last one
-    features: torch.Tensor | None  # [T, len(layer_ids) * hidden]: context features for the draft
+    # [T, vocab] float32: every new position, or only the last one. Used before the target's next step (sampled,
+    # verified, its argmax read): a captured step hands out its own memory, which the next step writes again
+    logits: torch.Tensor
+    features: torch.Tensor | None  # [T, len(layer_ids) * hidden]: context features for the draft (kept: a copy)
     # [T] each row's argmax where the step computed it on the device with the logits (a captured step's: no launch
     # of its own). Its memory is the step's: valid until the target's next step, so it is read at once (a greedy
     # token, a verdict), never kept. None elsewhere

@@ -288,8 +288,10 @@ class TargetSteps:
     def __call__(self, token_ids: Sequence[int], start: int, tail: torch.Tensor | None = None,
                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(float32 logits [count, vocab] (or the last row's), context features [count, L*H] or None, each row's
-        argmax or None) of up to PREFILL[-1] rows at positions start..: the logits and features copies, safe to keep
-        past the next step; the argmax the step's own memory, valid until the next (TargetOutput.argmax). `tail`:
+        argmax or None) of up to PREFILL[-1] rows at positions start..: the features a copy, safe to keep past the
+        next step (the draft takes them after plain steps); the logits and the argmax the step's own memory, valid
+        until the next (TargetOutput: each is used at once; a copy of a verify's logits was a launch and up to
+        16 x vocab floats a step). `tail`:
         ids after token_ids that are already on a device (a drafted block's argmax), copied into the inputs there,
         never read by the host."""
         head = len(token_ids)
@@ -309,7 +311,7 @@ class TargetSteps:
         out, features, top = self.runner.run((rows, t), lambda: self.step(rows, t))
         kept = slice(count - 1, count) if last_only else slice(0, count)
         # a prefill chunk's graph ends at the final norm: the head runs here on the rows asked for (a prompt's last)
-        logits = self.model.logits(out[kept]) if rows > BUCKETS[-1] else out[kept].clone()
+        logits = self.model.logits(out[kept]) if rows > BUCKETS[-1] else out[kept]
         return logits, None if features is None else features[:count].clone(), None if top is None else top[kept]
 
     def warm(self, positions: int | None) -> int:
