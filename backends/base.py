@@ -251,6 +251,17 @@ class WrappedDraft(DraftBackend):
         return self.inner.propose(anchor, position, size)
 
 
+def thread_release(device: str) -> Callable[[], None] | None:
+    """What a thread that ran `device`'s work runs before it ends, or None. MLX keeps streams per thread, and a thread
+    that ends holding them can abort the process as it exits (MLX 0.32's CPU build: "terminate called without an
+    active exception" after most runs of compiled steps on a lane's thread); mx.clear_streams ends them first."""
+    if device != "mlx":
+        return None
+    import mlx.core as mx
+
+    return mx.clear_streams
+
+
 def weights_of(backend) -> ModelWeights | None:
     """The backend's declared weights, or None for a backend that does not expose them."""
     try:

@@ -3,6 +3,8 @@ same draft proposals, and identical greedy output in every placement."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -105,3 +107,46 @@ def test_a_warm_up_compiles_every_shape_a_generation_meets(reference, tiny_llama
     assert {"target": rt.target.compiled.fns, "draft": rt.draft.compiled.fns} == compiled  # nothing compiled since
     twin = rt.target.fork()
     assert twin.compiled.fns is rt.target.compiled.fns and twin.cache is not rt.target.cache
+
+
+@pytest.mark.parametrize("steps", ["eager", "fixed"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_runs_on_any_thread(tiny_llama, tiny_draft, steps, dtype):
+    """MLX ties an array not yet computed to the thread that made it: a model loaded on one thread runs its jobs on
+    the lanes' threads, and a server's requests on theirs. Loaded here, a step on one thread, a warm-up on another,
+    generations on a third and here: the same tokens (a bfloat16 model's weights are converted when loaded: they
+    were left uncomputed; the compiled steps' cache writes too)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rt = mlx_runtime(tiny_llama, tiny_draft, steps, block_size="fixed", dtype=dtype)
+
+    def elsewhere(fn):
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(fn).result()
+    elsewhere(lambda: rt.target.forward(PROMPT))
+    elsewhere(lambda: rt.warm(64))
+    generate = partial(rt.generate, [5, 9, 12], max_new_tokens=12, stop_at_eos=False)
+    assert elsewhere(lambda: generate().token_ids) == generate().token_ids
+
+
+EXITS = """
+import sys
+from hetero_sd.backends.policy import LoadPolicy
+from hetero_sd.runtime import load
+rt = load(sys.argv[1], sys.argv[2], target_device="mlx", draft_device="mlx", policy=LoadPolicy(steps="fixed"))
+rt.warm(32)
+print(len(rt.generate([5, 9, 12], max_new_tokens=8, stop_at_eos=False).token_ids))
+"""
+
+
+def test_a_process_that_ran_compiled_steps_on_a_lane_exits_cleanly(tiny_llama, tiny_draft):
+    """A lane's thread that ran MLX work releases its streams before it ends (at close, or at interpreter exit
+    unclosed): one that ended holding them aborted most exits after compiled steps (MLX 0.32's CPU build). The
+    abort came on most exits, not all: four processes in a row must exit cleanly."""
+    import subprocess
+    import sys
+
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", EXITS, str(tiny_llama), str(tiny_draft)], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.split()[-1] == "8", done.stderr[-2000:]

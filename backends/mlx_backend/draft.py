@@ -14,7 +14,7 @@ from hetero_sd.models.weights import take
 from hetero_sd.backends.base import DraftBackend
 from hetero_sd.backends.torch_backend.steps import BUCKETS
 
-from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
+from .layers import DecoderLayer, KVCache, Rope, evaluated, rms_norm, to_mx
 from .steps import DraftSteps, steps_mode
 from .target import to_torch
 
@@ -34,11 +34,11 @@ class MLXDraft(DraftBackend):
         self.hidden_norm = to_mx(take(tensors, "hidden_norm.weight", (h,), where), dtype)
         self.norm = to_mx(take(tensors, "norm.weight", (h,), where), dtype)
         self.layers = [DecoderLayer(arch, tensors, f"layers.{i}.", where, dtype) for i in range(arch.num_hidden_layers)]
-        self.embed = embed.astype(dtype) if isinstance(embed, mx.array) else to_mx(embed, dtype)
-        self.lm_head = lm_head.astype(dtype) if isinstance(lm_head, mx.array) else to_mx(lm_head, dtype)
+        self.embed = evaluated(embed.astype(dtype)) if isinstance(embed, mx.array) else to_mx(embed, dtype)
+        self.lm_head = evaluated(lm_head.astype(dtype)) if isinstance(lm_head, mx.array) else to_mx(lm_head, dtype)
         self.vocab_size, self.vocab_ids = self.lm_head.shape[1], vocab_ids
         if vocab_ids is not None:
-            self.lm_head = mx.take(self.lm_head, mx.array(vocab_ids.numpy()), axis=1)
+            self.lm_head = evaluated(mx.take(self.lm_head, mx.array(vocab_ids.numpy()), axis=1))
         self.rope = Rope(arch, dtype)
         self.cache = KVCache(arch, arch.num_hidden_layers, dtype)
         self.last_hidden: torch.Tensor | None = None

@@ -14,8 +14,16 @@ from hetero_sd.models.config import ArchConfig
 from hetero_sd.models.layout import inv_frequencies, layer_weights
 
 
+def evaluated(*arrays: mx.array) -> mx.array:
+    """The arrays computed now; the first returned. MLX ties an array not yet computed to the thread that made it
+    (its stream: computing it on another thread fails), and a model's arrays are made on the thread that loads it
+    or runs a job, then used on any lane's thread: what a model keeps between jobs is never left uncomputed."""
+    mx.eval(*(a for a in arrays if a is not None))
+    return arrays[0]
+
+
 def to_mx(t, dtype=mx.float32):
-    return None if t is None else mx.array(t.detach().float().cpu().numpy()).astype(dtype)
+    return None if t is None else evaluated(mx.array(t.detach().float().cpu().numpy()).astype(dtype))
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -26,15 +34,14 @@ class Rope:
     def __init__(self, cfg: ArchConfig, dtype):
         inv_freq, self.factor = inv_frequencies(cfg)
         self.inv_freq, self.dtype = inv_freq.numpy(), dtype
-        self.cos = self.sin = mx.zeros((0, cfg.head_dim))
+        self.cos = self.sin = evaluated(mx.zeros((0, cfg.head_dim)))
 
     def at(self, start: int, count: int) -> tuple[mx.array, mx.array]:
         if start + count > self.cos.shape[0]:
             n = max(start + count, 2 * self.cos.shape[0], 256)
             freqs = np.outer(np.arange(n, dtype=np.float32), self.inv_freq)
             emb = np.concatenate([freqs, freqs], -1)
-            self.cos = mx.array(np.cos(emb) * self.factor).astype(self.dtype)
-            self.sin = mx.array(np.sin(emb) * self.factor).astype(self.dtype)
+            self.cos, self.sin = (evaluated(mx.array(f(emb) * self.factor).astype(self.dtype)) for f in (np.cos, np.sin))
         return self.cos[start:start + count], self.sin[start:start + count]
 
 
@@ -75,7 +82,7 @@ class KVCache:
         if self.k[layer] is not None and keep > 0:
             k[:, :, :keep] = self.k[layer][:, :, :keep]
             v[:, :, :keep] = self.v[layer][:, :, :keep]
-        self.k[layer], self.v[layer] = k, v
+        self.k[layer], self.v[layer] = evaluated(k, v), v
 
 
 class DecoderLayer:

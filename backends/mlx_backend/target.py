@@ -68,7 +68,8 @@ class MLXTarget(TargetBackend):
             logits, feats = self.compiled(token_ids, start, features)
             self.cache.length = start + count
             logits = logits[-1:] if last_only else logits
-            mx.eval(logits, *([feats] if feats is not None else []))
+            # the cache's writes too: nothing the next job (maybe on another thread) reads is left uncomputed
+            mx.eval(logits, *([feats] if feats is not None else []), *self.cache.k, *self.cache.v)
             return TargetOutput(to_torch(logits), None if feats is None else to_torch(feats))
         h = self.embed[mx.array([list(token_ids)])]
         cos, sin = self.rope.at(start, count)

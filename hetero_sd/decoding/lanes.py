@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from hetero_sd.backends.base import DraftBackend, TargetBackend
+from hetero_sd.backends.base import DraftBackend, TargetBackend, thread_release
 from hetero_sd.errors import RuntimeClosedError
 
 from .timeline import Timeline
@@ -35,9 +36,25 @@ INLINE_DEVICES = ("cpu", "ane-sim")  # torch on this process's CPU: no device af
 # the lane's thread and back (two futex wake-ups, tens of microseconds in a VM) would be a sizeable part of it
 
 
+RELEASING: "weakref.WeakSet[Lane]" = weakref.WeakSet()  # open lanes whose thread must release its device's state
+
+
+def close_at_exit() -> None:
+    for lane in list(RELEASING):
+        lane.close()
+
+
+# At interpreter exit, before concurrent.futures ends the pools' threads (its own hook is registered this way when it
+# is imported, and these run last-registered first): a lane's thread releases its device's per-thread state first
+threading._register_atexit(close_at_exit)
+
+
 class Lane:
     def __init__(self, name: str, device: str):
         self.name, self.device = name, device
+        self.release = thread_release(device)  # the thread's last job (thread_release); None: nothing to release
+        if self.release is not None:
+            RELEASING.add(self)
         self.inline = device in INLINE_DEVICES or device.startswith("cuda")
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
         self.busy = threading.Lock()  # one job at a time, in the lane's thread or a caller's
@@ -102,6 +119,12 @@ class Lane:
             raise RuntimeClosedError("this Runtime was closed", "load a new one (hetero_sd.load) to generate again")
 
     def close(self) -> None:
+        """Stop the thread (after the jobs queued there), its device's per-thread state released first."""
+        if not self.closed and self.release is not None and self.ran["thread"]:
+            try:
+                self.pool.submit(self.release).result()
+            except RuntimeError:  # (the pool was shut down already: at exit, by concurrent.futures)
+                pass
         self.closed = True
         self.pool.shutdown(wait=True)
 
