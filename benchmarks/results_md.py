@@ -197,6 +197,7 @@ SOURCES = {
     "grammar": ["costs/grammar_engines.json", "decode/json_schema.json"],
     "costs": ["costs/costs_r1.json", "costs/costs_r2.json", "costs/costs_r3.json"],
     "prefill": ["costs/prefill_rate.json"],
+    "mlx": ["costs/mlx_eager.json", "costs/mlx_compiled.json"],
     "agreement": ["agreement/llama_agreement.json"],
     "heldout": ["heldout/block2.json", "heldout/block2_lookup.json", "heldout/block8.json", "heldout/block2_4layer.json"],
     "controller": ["controller/replay.json"],
@@ -368,6 +369,7 @@ def costs_section() -> list[str]:
         lines.append(f"| `{rel(path)}` | {machine_of(doc)} | {date_of(path, doc)} | {c['bandwidth_gbs']:.1f} | {d * 1e3:.2f} | "
                      f"{d / c['floors_s']['decode']:.2f}x | {verify} | {draft} |")
     lines.append("")
+    lines += mlx_costs()
     for name in SOURCES["prefill"]:
         path, doc = read(name)
         pr, dec = doc["prefill_tokens_per_s"], doc["decode_step_ms_after_prompt"]
@@ -378,6 +380,24 @@ def costs_section() -> list[str]:
             lines.append(f"| {'our ' + k + ' target' if k != 'llama.cpp' else 'llama.cpp'} | {pr[k]:.0f} | {dec[k]:.2f} |")
         lines += ["", source_line(path, doc), ""]
     return lines
+
+
+def mlx_costs() -> list[str]:
+    """MLX's eager and mx.compile steps on MLX's Linux CPU build: a relative timing, not a speed."""
+    lines = ["### MLX's steps, eager and compiled (MLX's Linux CPU build: a check, not a speed)", "",
+             "`HETERO_SD_STEPS=eager|fixed hetero-sd bench --costs --target-device mlx --draft-device mlx`, the "
+             "default pair in float32, one run each, one after the other. The compiled steps pad rows to a bucket and "
+             "attend over a tier of slots, a fixed shape for `mx.compile`; on a CPU that padding costs more than the "
+             "dispatch it saves, so `auto` compiles only on Metal.", "",
+             *table("file", "machine", "date", "steps", "decode ms", "verify 16 ms", "draft 8 ms")]
+    runs = [read(name) for name in SOURCES["mlx"]]
+    for path, doc in runs:
+        c = doc["costs"]
+        lines.append(f"| `{rel(path)}` | {machine_of(doc)} | {date_of(path, doc)} | {doc['models']['steps']['target']} "
+                     f"| {c['decode_s'] * 1e3:.1f} | {c['verify_s']['16'] * 1e3:.0f} | {c['draft_s']['8'] * 1e3:.1f} |")
+    (_, eager), (_, compiled) = runs
+    ratio_ = compiled["costs"]["decode_s"] / eager["costs"]["decode_s"]
+    return lines + ["", f"Compiled against eager, decode step: {ratio_:.2f}x the time.", ""]
 
 
 def agreement_section() -> list[str]:
