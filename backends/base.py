@@ -259,7 +259,7 @@ def thread_release(device: str) -> Callable[[], None] | None:
         return None
     import mlx.core as mx
 
-    return mx.clear_streams
+    return getattr(mx, "clear_streams", None)  # (older MLX keeps one stream per device: nothing per thread)
 
 
 def weights_of(backend) -> ModelWeights | None:

@@ -88,7 +88,7 @@ class Truthful(WrappedDraft):
 
 
 def decode(tiny_llama, tiny_draft, prompts, acceptance="device", schedule="sequential", truthful=False,
-           whole=False, **kw):
+           whole=False, block="fixed", lookup=0.0, **kw):
     """(tokens, accepted counts, fallback) of each prompt, and the draft's proposals. whole: the caches allocated
     for the longest prompt first (as CUDA allocates them whole), so that no step of a prompt meets a grown cache."""
     rt = hetero_sd.load(str(tiny_llama), str(tiny_draft), dtype=torch.float32, policy=FIXED, block_size="fixed",
@@ -101,15 +101,20 @@ def decode(tiny_llama, tiny_draft, prompts, acceptance="device", schedule="seque
         if truthful:
             truth = p + rt.generate(p, max_new_tokens=MAX_NEW + 8, stop_at_eos=False, speculative=False).token_ids
             proposer = Truthful(draft, truth, rt.target.config.vocab_size)
-        spec = Runtime(rt.target, proposer, rt.tokenizer, rt.stop_ids, rt.info, schedule, "fixed", lookup=0,
+        spec = Runtime(rt.target, proposer, rt.tokenizer, rt.stop_ids, rt.info, schedule, block, lookup=lookup,
                        acceptance=acceptance)
         outs.append(spec.generate(p, max_new_tokens=MAX_NEW, stop_at_eos=False, **kw))
+    decode.plain_steps = sum(o.stats.plain_steps for o in outs)
     return [(o.token_ids, o.stats.accepted_per_step, o.stats.fallback) for o in outs], draft.blocks
 
 
 CASES = {"device": {}, "host": dict(acceptance="host"), "overlap": dict(acceptance="host", schedule="overlap"),
          "sampled": dict(temperature=0.8, top_p=0.95, seed=7),
-         "rejection": dict(temperature=1.0, seed=3, rule="rejection"), "whole blocks": dict(truthful=True)}
+         "rejection": dict(temperature=1.0, seed=3, rule="rejection"), "whole blocks": dict(truthful=True),
+         # the controller's plain steps between blocks (their features kept for the draft), the context lookup's
+         # blocks, a penalty (accepted on the host)
+         "controller": dict(block="auto", lookup=0.4), "penalty": dict(block="auto", lookup=0.4, repetition_penalty=1.3)}
+TIMED = ("overlap", "controller", "penalty")  # their choices follow the timing: their tokens do not
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -120,7 +125,9 @@ def test_outputs_as_a_replay_hands_them_out_decode_the_same(tiny_llama, tiny_dra
         assert all(set(accepted[:-1]) == {max(accepted)} for _, accepted, _ in want[0])
     as_graphs(monkeypatch)
     got = decode(tiny_llama, tiny_draft, SHORT + [LONG], **CASES[case])
-    if case == "overlap":  # its pre-drafted blocks (lagged context, guessed anchors) follow the timing
+    if case in ("controller", "penalty"):
+        assert decode.plain_steps > 0  # (the case covers plain steps)
+    if case in TIMED:  # pre-drafted blocks, block sizes and plain steps follow the timing
         got, want = ([(tokens, fallback) for tokens, _, fallback in outs] for outs, _ in (got, want))
     assert got == want
 

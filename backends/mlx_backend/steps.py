@@ -2,7 +2,7 @@
 shapes: rows rounded up to a bucket, the cache read as a tier of slots (torch_backend/steps.py's buckets and
 tiers). Each compiled function is pure: it reads the cache and returns the new rows' K/V, which the caller then
 writes in place with a slice update as the eager steps do, so a compiled trace is reused at every position
-(the position and the context length are arrays, not Python numbers). A model's forks share its compiled
+(the context's length is an array and the rows' RoPE values are inputs: nothing a position changes is traced). A model's forks share its compiled
 functions: they read the shared weights and take the caches as arguments.
 
 Masks: the cache's slots from `start` on are hidden (-1e9, as the eager steps' causal mask does) and the new
@@ -71,23 +71,21 @@ class TargetSteps:
         rows = bucket(count)
         c = t.config
         slots = ensure(t.cache, c.num_key_value_heads, c.head_dim, start + count, t.dtype)
-        t.rope.at(0, start + rows)  # the whole tables go in (a fixed shape); the step takes its rows
         fn = self.fns.get((rows, slots))
         if fn is None:
             fn = self.fns[(rows, slots)] = mx.compile(self.step)
         ks = [k[:, :, :slots] for k in t.cache.k]
         vs = [v[:, :, :slots] for v in t.cache.v]
-        positions = mx.arange(start, start + rows)
-        logits, feats, *kv = fn(padded(token_ids, rows), positions, mx.array(start), t.rope.cos, t.rope.sin, *ks, *vs)
+        cos, sin = t.rope.at(start, rows)  # the rows' own: a whole table's shape grows (and would trace anew)
+        logits, feats, *kv = fn(padded(token_ids, rows), mx.array(start), cos, sin, *ks, *vs)
         n = len(t.layers)
         for i in range(n):
             t.cache.write(i, start, kv[i][:, :, :count], kv[n + i][:, :, :count])
         return logits[:count], (feats[:count] if features and t.layer_ids else None)
 
-    def step(self, ids, positions, start, cos, sin, *kv):
+    def step(self, ids, start, cos, sin, *kv):
         t, c = self.t, self.t.config
         n, rows = len(t.layers), ids.shape[1]
-        cos, sin = cos[positions], sin[positions]
         causal = mx.arange(rows)[None, :] <= mx.arange(rows)[:, None]
         mask = cache_mask(start, kv[0].shape[2], rows, causal, t.dtype)
         h, captured, new_k, new_v = t.embed[ids], [], [], []
@@ -127,19 +125,17 @@ class DraftSteps:
         d, a = self.d, self.d.arch
         start = d.cache.length
         slots = ensure(d.cache, a.num_key_value_heads, a.head_dim, start + rows, d.dtype)
-        d.rope.at(0, position + rows)
         key = ("block", rows, size, slots)
         fn = self.fns.get(key)
         if fn is None:
             fn = self.fns[key] = mx.compile(lambda *args: self.block_step(size, *args))
         ids = mx.array([[anchor] + [d.mask_token_id] * (rows - 1)])
-        return fn(ids, mx.arange(position, position + rows), mx.array(start), d.rope.cos, d.rope.sin,
+        return fn(ids, mx.array(start), *d.rope.at(position, rows),
                   *[k[:, :, :slots] for k in d.cache.k], *[v[:, :, :slots] for v in d.cache.v])
 
-    def block_step(self, size, ids, positions, start, cos, sin, *kv):
+    def block_step(self, size, ids, start, cos, sin, *kv):
         d, eps = self.d, self.d.arch.rms_norm_eps
         n, rows = len(d.layers), ids.shape[1]
-        cos, sin = cos[positions], sin[positions]
         mask = cache_mask(start, kv[0].shape[2], rows, mx.ones((rows, rows), dtype=mx.bool_), d.dtype)
         h = d.embed[ids]
         for i, layer in enumerate(d.layers):

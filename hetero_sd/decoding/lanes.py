@@ -41,7 +41,10 @@ RELEASING: "weakref.WeakSet[Lane]" = weakref.WeakSet()  # open lanes whose threa
 
 def close_at_exit() -> None:
     for lane in list(RELEASING):
-        lane.close()
+        try:
+            lane.close()
+        except Exception:  # noqa: BLE001 - one lane's failure must not keep the others' threads from releasing
+            pass
 
 
 # At interpreter exit, before concurrent.futures ends the pools' threads (its own hook is registered this way when it
@@ -52,11 +55,13 @@ threading._register_atexit(close_at_exit)
 class Lane:
     def __init__(self, name: str, device: str):
         self.name, self.device = name, device
+        self.inline = device in INLINE_DEVICES or device.startswith("cuda")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
         self.release = thread_release(device)  # the thread's last job (thread_release); None: nothing to release
         if self.release is not None:
             RELEASING.add(self)
-        self.inline = device in INLINE_DEVICES or device.startswith("cuda")
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hetero-sd-{name}")
+            # a lane dropped unclosed: its thread releases before it ends too (queued ahead of its end)
+            weakref.finalize(self, release_then_end, self.pool, self.release)
         self.busy = threading.Lock()  # one job at a time, in the lane's thread or a caller's
         self.queued = 0  # jobs handed to the thread and not finished
         self.count_lock = threading.Lock()
@@ -120,13 +125,19 @@ class Lane:
 
     def close(self) -> None:
         """Stop the thread (after the jobs queued there), its device's per-thread state released first."""
-        if not self.closed and self.release is not None and self.ran["thread"]:
-            try:
-                self.pool.submit(self.release).result()
-            except RuntimeError:  # (the pool was shut down already: at exit, by concurrent.futures)
-                pass
+        if not self.closed and self.release is not None:
+            release_then_end(self.pool, self.release)
         self.closed = True
         self.pool.shutdown(wait=True)
+
+
+def release_then_end(pool: ThreadPoolExecutor, release: Callable[[], None]) -> None:
+    """Queue `release` as the pool's thread's last job, then its end; waits for neither (from the thread itself too)."""
+    try:
+        pool.submit(release)
+    except RuntimeError:  # shut down already (at exit, by concurrent.futures): its thread has ended
+        return
+    pool.shutdown(wait=False)
 
 
 @dataclass
