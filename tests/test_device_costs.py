@@ -42,3 +42,29 @@ def test_cuda_floor_is_the_gpus():
     name = costs.accelerator_name("cuda")
     assert name and "Xeon" not in name and "EPYC" not in name
     assert costs.device_bandwidth_gb_s("cuda", buffer_mb=256) > 200  # any GPU's HBM/GDDR, far above a host's copy
+
+
+def test_an_mlx_floor_is_mlxs(tiny_llama, tiny_draft, monkeypatch):
+    """An MLX model's floors: its own weight sizes at MLX's own measured read bandwidth and matmul peak (on Linux
+    MLX's CPU build, whose kernels are not torch's), never the host's torch figures under MLX's name."""
+    pytest.importorskip("mlx.core")
+    from hetero_sd.backends.mlx_backend import probe
+    from hetero_sd.runtime import load
+
+    monkeypatch.setattr(costs, "read_bandwidth_gb_s", lambda *a: pytest.fail("the host's torch reads for MLX"))
+    monkeypatch.setattr(probe, "bandwidth_gb_s", lambda: 10.0)
+    monkeypatch.setattr(probe, "peak_gflops", lambda dtype, n=None, repeats=5: 20.0)
+    rt = load(str(tiny_llama), str(tiny_draft), target_device="mlx", draft_device="mlx")
+    weight_bytes, params, kv = rt.target.sizes()
+    assert weight_bytes == 4 * params and kv > 0  # float32
+    got = costs.measure_costs(rt.target, rt.draft, context=32, ks=(1, 4), blocks=(4,), repeats=1, machine=True)
+    assert (got.device, got.bandwidth_gbs, got.peak_gflops) == ("MLX", 10.0, 20.0)
+    assert got.floors_s["decode"] == pytest.approx(max((weight_bytes + 32 * kv) / 10e9, 2 * params / 20e9))
+    assert got.floors_s["draft"][4] > 0
+
+
+def test_mlxs_probes_measure_through_mlx():
+    pytest.importorskip("mlx.core")
+    from hetero_sd.backends.mlx_backend import probe
+
+    assert probe.peak_gflops(n=64, repeats=1) > 0 and probe.bandwidth_gb_s(buffer_mb=8, repeats=1) > 0

@@ -14,6 +14,7 @@ from hetero_sd.models.weights import take
 from hetero_sd.backends.base import DraftBackend
 from hetero_sd.backends.torch_backend.steps import BUCKETS
 
+from . import probe
 from .layers import DecoderLayer, KVCache, Rope, evaluated, rms_norm, to_mx
 from .steps import DraftSteps, steps_mode
 from .target import to_torch
@@ -57,6 +58,11 @@ class MLXDraft(DraftBackend):
         twin.cache = self.cache.empty_like()
         twin.compiled = DraftSteps(twin, self.compiled.fns) if self.compiled else None  # (compiled once for both)
         return twin
+
+    def sizes(self) -> tuple[int, int, int]:
+        """As the target's: its head (the columns kept) and its layers."""
+        a = self.arch
+        return probe.sizes(self.lm_head, self.layers, a.num_key_value_heads, a.head_dim, self.dtype)
 
     def warm(self, positions: int | None) -> int:
         return 0 if self.compiled is None else self.compiled.warm(positions)

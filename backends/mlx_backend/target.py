@@ -16,6 +16,7 @@ from hetero_sd.models.weights import take
 from hetero_sd.backends.base import TargetBackend, TargetOutput, gather_features
 from hetero_sd.backends.torch_backend.steps import BUCKETS
 
+from . import probe
 from .layers import DecoderLayer, KVCache, Rope, rms_norm, to_mx
 from .steps import TargetSteps, steps_mode
 
@@ -55,6 +56,11 @@ class MLXTarget(TargetBackend):
         twin.cache = self.cache.empty_like()
         twin.compiled = TargetSteps(twin, self.compiled.fns) if self.compiled else None  # (compiled once for both)
         return twin
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(weight bytes a forward reads, matmul parameters per row, KV bytes per position): the cost floors'."""
+        c = self.config
+        return probe.sizes(self.lm_head, self.layers, c.num_key_value_heads, c.head_dim, self.dtype)
 
     def warm(self, positions: int | None) -> int:
         return 0 if self.compiled is None else self.compiled.warm(positions)

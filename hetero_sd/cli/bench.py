@@ -282,6 +282,9 @@ def add_peers_and_floor(args, rt, prompts, res: dict, progress: Progress) -> Non
         context = max(len(rt.encode(p.text)[0]) for p in prompts) + args.max_new_tokens // 2
         if weights_of(rt.target) is not None and rt.target.device == "cpu":
             res["floor"] = floor_report(rt.target, context, systems, os.path.getsize(gguf) if gguf else None)
+        elif args.floor:
+            progress.console.print(f"[yellow]note: --floor is the CPU's (its read bandwidth and a torch target's "
+                                   f"weights); the target on {rt.target.device} has its floors in --costs[/]")
 
 
 def print_peers(res: dict) -> None:
@@ -391,6 +394,6 @@ def print_costs(costs) -> None:
     if costs.peak_gflops:
         kernels = "".join(f", {name}'s int8-row kernel {gops:.0f} GOPS" for name, gops in costs.kernel_peak_gops.items())
         Console().print(f"{costs.device or 'CPU'} matmul peak {costs.peak_gflops:.0f} GFLOPS{kernels}, "
-                        f"{'copy' if costs.device else 'read'} bandwidth {costs.bandwidth_gbs:.1f} GB/s; floor = max(bytes read / bandwidth, flops / the model's own kernel peak)")
+                        f"{'copy' if costs.device and costs.device != 'MLX' else 'read'} bandwidth {costs.bandwidth_gbs:.1f} GB/s; floor = max(bytes read / bandwidth, flops / the model's own kernel peak)")
     for note in costs.notes:
         err.print(f"[yellow]note:[/] {note}")

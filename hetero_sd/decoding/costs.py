@@ -208,7 +208,13 @@ def device_sync(device: str) -> Callable[[], None]:
 def peak_gflops(dtype: torch.dtype = torch.float32, n: int | None = None, repeats: int = 5,
                 device: str = "cpu") -> float:
     """The practical matmul peak on `device`: best of a few n^3 products (the process's threads on the CPU;
-    on a GPU large enough products to fill it, timed to the device's completion)."""
+    on a GPU large enough products to fill it, timed to the device's completion; MLX's through MLX)."""
+    if device_kind(device) == "mlx":
+        import mlx.core as mx
+
+        from hetero_sd.backends.mlx_backend import probe
+
+        return probe.peak_gflops(getattr(mx, str(dtype).removeprefix("torch.")), n, repeats)
     on_cpu = device_kind(device) == "cpu"
     n = n or (1024 if on_cpu else 8192)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
@@ -247,15 +253,21 @@ def device_bandwidth_gb_s(device: str, repeats: int = 5, buffer_mb: int = 1024) 
 
 
 def memory_device(backend) -> str:
-    """The torch device whose memory a backend's weights are read from: its own for cpu/cuda/mps, the host's for
-    the others (MLX on Linux, the Neural Engine's emulation)."""
+    """The device whose memory a backend's weights are read from, as the probes measure it: its own for
+    cpu/cuda/mps and MLX (measured through MLX), the host's for the Neural Engine's emulation."""
     device = device_of(backend)
-    return device if device_kind(device) in ("cpu", "cuda", "mps") else "cpu"
+    return device if device_kind(device) in ("cpu", "cuda", "mps", "mlx") else "cpu"
 
 
 def bandwidth_gb_s(device: str) -> float:
-    """Memory bandwidth where `device` keeps its weights: host reads for the CPU, device copies elsewhere."""
-    return read_bandwidth_gb_s() if device_kind(device) == "cpu" else device_bandwidth_gb_s(device)
+    """Memory bandwidth where `device` keeps its weights: host reads for the CPU, device copies elsewhere (MLX's
+    through MLX)."""
+    kind = device_kind(device)
+    if kind == "mlx":
+        from hetero_sd.backends.mlx_backend import probe
+
+        return probe.bandwidth_gb_s()
+    return read_bandwidth_gb_s() if kind == "cpu" else device_bandwidth_gb_s(device)
 
 
 def timed(fn) -> float:
@@ -267,18 +279,20 @@ def timed(fn) -> float:
 def add_machine(costs: Costs, target, draft) -> None:
     """Peak, bandwidth and, for torch backends, each call's floor: max(bytes / bandwidth, flops / peak), the
     peak being the model's own int8-row kernel's where it has one (own_peak)."""
-    dtype = getattr(target, "dtype", torch.float32)
+    dtype = torch_dtype(getattr(target, "dtype", torch.float32))
     device = memory_device(target)
     compute = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     costs.peak_gflops = peak_gflops(compute, device=device)
     costs.bandwidth_gbs = bandwidth_gb_s(device)
-    target_weights, draft_weights = weights_of(target), None if draft is None else weights_of(draft)
-    if target_weights is None:
-        costs.notes.append("floors need a torch target (its weight sizes); none computed")
+    target_sizes = sizes_of(target)
+    if target_sizes is None:
+        costs.notes.append(f"floors need the target's weight sizes, which {type(target).__name__} does not give; "
+                           "none computed")
         return
     bw = costs.bandwidth_gbs * 1e9
-    t_bytes, t_params, kv = model_sizes(target_weights)
-    t_peak = own_peak(costs, "target", target_weights)
+    t_bytes, t_params, kv = target_sizes
+    target_weights, draft_weights = weights_of(target), None if draft is None else weights_of(draft)
+    t_peak = own_peak(costs, "target", target_weights) if target_weights is not None else costs.peak_gflops * 1e9
 
     def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int, peak: float) -> float:
         return max((weight_bytes + kv_bytes) / bw, 2 * rows * params / peak)
@@ -286,18 +300,33 @@ def add_machine(costs: Costs, target, draft) -> None:
     costs.floors_s = {"decode": floor(1, t_bytes, t_params, kv * costs.context, t_peak),
                       "verify": {k: floor(k, t_bytes, t_params, kv * costs.context, t_peak) for k in costs.verify_s},
                       "draft": {}}
-    if draft_weights is not None:
-        d_bytes, d_params, d_kv = model_sizes(draft_weights)
-        d_peak = own_peak(costs, "draft", draft_weights)
+    draft_sizes = None if draft is None else sizes_of(draft)
+    if draft_sizes is not None:
+        d_bytes, d_params, d_kv = draft_sizes
+        d_peak = own_peak(costs, "draft", draft_weights) if draft_weights is not None else costs.peak_gflops * 1e9
         d_device = device_of(draft)
-        if device_kind(d_device) in ("cpu", "cuda", "mps") and device_kind(d_device) != device_kind(device):
+        if device_kind(d_device) in ("cpu", "cuda", "mps", "mlx") and device_kind(d_device) != device_kind(device):
             # a draft on another device (cuda/cpu): its floor is that device's
-            d_dtype = getattr(draft, "dtype", torch.float32)
+            d_dtype = torch_dtype(getattr(draft, "dtype", torch.float32))
             d_peak = peak_gflops(d_dtype if d_dtype in (torch.float32, torch.bfloat16) else torch.float32,
                                  device=d_device) * 1e9
             bw = bandwidth_gb_s(d_device) * 1e9
             costs.notes.append(f"the draft's floors use its own device's ({d_device}) bandwidth and peak")
         costs.floors_s["draft"] = {b: floor(b, d_bytes, d_params, d_kv * costs.context, d_peak) for b in costs.draft_s}
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """A model's dtype as torch's: an MLX model's by name (mlx.core.bfloat16 -> torch.bfloat16)."""
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).rsplit(".", 1)[-1], torch.float32)
+
+
+def sizes_of(backend) -> tuple[int, int, int] | None:
+    """model_sizes of a backend that exposes its weights, or its own `sizes()` (MLX's), else None."""
+    weights = weights_of(backend)
+    if weights is not None:
+        return model_sizes(weights)
+    sizes = getattr(backend, "sizes", None)
+    return sizes() if sizes is not None else None
 
 
 def own_peak(costs: Costs, name: str, weights: ModelWeights) -> float:
