@@ -262,6 +262,12 @@ def thread_release(device: str) -> Callable[[], None] | None:
     return getattr(mx, "clear_streams", None)  # (older MLX keeps one stream per device: nothing per thread)
 
 
+def forward_matrices(lm_head, layers) -> list:
+    """The matrices a forward multiplies by: the head and each layer's (LayerWeights' names), torch or MLX arrays
+    (the cost floors count their bytes and parameters)."""
+    return [lm_head] + [m for layer in layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+
 def weights_of(backend) -> ModelWeights | None:
     """The backend's declared weights, or None for a backend that does not expose them."""
     try:

@@ -41,7 +41,8 @@ class Rope:
             n = max(start + count, 2 * self.cos.shape[0], 256)
             freqs = np.outer(np.arange(n, dtype=np.float32), self.inv_freq)
             emb = np.concatenate([freqs, freqs], -1)
-            self.cos, self.sin = (evaluated(mx.array(f(emb) * self.factor).astype(self.dtype)) for f in (np.cos, np.sin))
+            self.cos, self.sin = (evaluated(mx.array(f(emb) * self.factor).astype(self.dtype))
+                                  for f in (np.cos, np.sin))
         return self.cos[start:start + count], self.sin[start:start + count]
 
 

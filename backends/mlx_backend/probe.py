@@ -7,6 +7,8 @@ import time
 
 import mlx.core as mx
 
+from hetero_sd.backends.base import forward_matrices
+
 
 def best_time(fn, repeats: int) -> float:
     fn()  # (the first call allocates, compiles kernels)
@@ -42,5 +44,5 @@ def bandwidth_gb_s(buffer_mb: int = 512, repeats: int = 5) -> float:
 def sizes(lm_head: mx.array, layers, kv_heads: int, head_dim: int, dtype) -> tuple[int, int, int]:
     """(weight bytes a forward reads, matmul parameters per row, KV bytes per cached position) of an MLX model:
     its head and every layer's matrices, as costs.model_sizes counts a torch model's."""
-    mats = [lm_head] + [m for layer in layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    mats = forward_matrices(lm_head, layers)
     return sum(m.nbytes for m in mats), sum(m.size for m in mats), 2 * len(layers) * kv_heads * head_dim * dtype.size

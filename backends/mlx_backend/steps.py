@@ -2,8 +2,8 @@
 shapes: rows rounded up to a bucket, the cache read as a tier of slots (torch_backend/steps.py's buckets and
 tiers). Each compiled function is pure: it reads the cache and returns the new rows' K/V, which the caller then
 writes in place with a slice update as the eager steps do, so a compiled trace is reused at every position
-(the context's length is an array and the rows' RoPE values are inputs: nothing a position changes is traced). A model's forks share its compiled
-functions: they read the shared weights and take the caches as arguments.
+(the context's length is an array and the rows' RoPE values are inputs: nothing a position changes is traced).
+A model's forks share its compiled functions: they read the shared weights and take the caches as arguments.
 
 Masks: the cache's slots from `start` on are hidden (-1e9, as the eager steps' causal mask does) and the new
 rows see one another causally (target) or all at once (the draft's block), so padding rows after the real ones

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from hetero_sd.devices import capability
-from hetero_sd.backends.base import DraftBackend, ModelWeights, TargetBackend, weights_of
+from hetero_sd.backends.base import DraftBackend, ModelWeights, TargetBackend, forward_matrices, weights_of
 
 
 @dataclass
@@ -292,7 +292,7 @@ def add_machine(costs: Costs, target, draft) -> None:
     bw = costs.bandwidth_gbs * 1e9
     t_bytes, t_params, kv = target_sizes
     target_weights, draft_weights = weights_of(target), None if draft is None else weights_of(draft)
-    t_peak = own_peak(costs, "target", target_weights) if target_weights is not None else costs.peak_gflops * 1e9
+    t_peak = own_peak(costs, "target", target_weights)
 
     def floor(rows: int, weight_bytes: int, params: int, kv_bytes: int, peak: float) -> float:
         return max((weight_bytes + kv_bytes) / bw, 2 * rows * params / peak)
@@ -303,7 +303,7 @@ def add_machine(costs: Costs, target, draft) -> None:
     draft_sizes = None if draft is None else sizes_of(draft)
     if draft_sizes is not None:
         d_bytes, d_params, d_kv = draft_sizes
-        d_peak = own_peak(costs, "draft", draft_weights) if draft_weights is not None else costs.peak_gflops * 1e9
+        d_peak = own_peak(costs, "draft", draft_weights)
         d_device = device_of(draft)
         if device_kind(d_device) in ("cpu", "cuda", "mps", "mlx") and device_kind(d_device) != device_kind(device):
             # a draft on another device (cuda/cpu): its floor is that device's
@@ -329,11 +329,11 @@ def sizes_of(backend) -> tuple[int, int, int] | None:
     return sizes() if sizes is not None else None
 
 
-def own_peak(costs: Costs, name: str, weights: ModelWeights) -> float:
+def own_peak(costs: Costs, name: str, weights: ModelWeights | None) -> float:
     """ops/s for a model's compute floor: its own kernel's peak where it multiplies int8 rows by GGUF blocks
     (an int8 product is not bound by the float32 matmul's rate: ~1.4x it on the AVX2 EPYC, with VNNI/AMX far
     more), else the dense matmul's. Recorded in costs.kernel_peak_gops."""
-    probe = weights.peak() if weights.peak is not None else None
+    probe = weights.peak() if weights is not None and weights.peak is not None else None
     if probe is None:
         return costs.peak_gflops * 1e9
     call, ops = probe
@@ -345,9 +345,7 @@ def own_peak(costs: Costs, name: str, weights: ModelWeights) -> float:
 
 def model_sizes(weights: ModelWeights) -> tuple[int, int, int]:
     """(weight bytes read per forward, matmul parameters per row, KV bytes per cached position)."""
-    mats = [weights.lm_head]
-    for layer in weights.layers:
-        mats += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down]
+    mats = forward_matrices(weights.lm_head, weights.layers)
     params = sum(m.numel() for m in mats)
     nbytes = weights.read_bytes or sum(m.numel() * m.element_size() for m in mats)
     return nbytes, params, weights.kv_bytes_per_position
