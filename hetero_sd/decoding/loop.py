@@ -210,6 +210,9 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
     submits it, for the overlap schedule); crop the rejected tail. Returns (step, verdict, features of the
     positions now in context)."""
     start = r.target.length
+    # the block's seconds count its proposals (draws from q when sampling, a grammar's masks, the gate), as a plain
+    # step's count its draw: left out, a block looked cheaper to the controller than it was, by a draw per row
+    began = time.perf_counter()
     if isinstance(logits, Guessed):
         drafted, q = logits.tokens, None
         if not r.sampler.params.greedy and r.rule == "rejection":  # a point mass on each guess
@@ -226,7 +229,6 @@ def verify_block(r: Request, anchor: int, logits, launch=None):
         keep = gated(logits, drafted, q, r.gate)
         r.stats.gated_drafts += len(drafted) - keep
         drafted, q = drafted[:keep], (q[:keep] if q is not None else None)
-    began = time.perf_counter()
     if launch is None:
         out = r.lanes.target("verify", partial(r.target.forward, [anchor] + drafted))
     else:
