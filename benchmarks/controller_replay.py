@@ -8,7 +8,8 @@ exactly what they would in real decoding at T=0. The draft's catch-up on new con
 
 Replay (no model runs): the same token sequence is emitted by plain decoding, by fixed blocks, by the real
 AutoBlock controller (hetero_sd/decoding/controller.py: one Memory across the prompts, as in one bench run,
-its cost model learning from the replayed step times), and by the optimum: a dynamic program over the
+its cost model learning from the replayed step times), by the same controller with each block verified only as
+far as the draft's own probabilities say it pays (`confident_prefix`), and by the optimum: a dynamic program over the
 positions choosing plain or a block size at every step, knowing every future acceptance (no policy can
 beat it). Step times are modelled from a `hetero-sd bench --costs --json` file: plain = decode; a block of b
 = draft(b) + verify(b) (interpolated between measured sizes) + the draft's catch-up. Modelled, not timed:
@@ -44,18 +45,20 @@ from hetero_sd.prompts import load_prompts  # noqa: E402
 @torch.inference_mode()
 def record(rt, text: str, max_new: int) -> dict:
     """The prompt's ids, the target's greedy output y (y[0] from the prefill) and, per anchor y[t], the
-    draft's block of every size: drafts[t][b] = the b-1 tokens it proposes after y[t]."""
+    draft's block of every size: drafts[t][b] = the b-1 tokens it proposes after y[t], confidences[t][b] the
+    draft's probability of each."""
     target, draft = rt.target, rt.draft
     target.crop(0)
     draft.crop(0)
     ids, _ = rt.encode(text)
     out = target.forward(ids, last_only=True)
-    catch_up, confidence = [], []
+    catch_up, confidence, confidences = [], [], []
     draft.add_context(out.features)
     y, drafts, sure = [int(out.logits[-1].argmax())], [], [round(float(out.logits[-1].softmax(-1).max()), 4)]
     while len(y) < max_new and y[-1] not in rt.stop_ids:
         blocks = {b: logits_of(draft.propose(y[-1], size=b)).softmax(-1).max(-1) for b in range(2, draft.block_size + 1)}
         drafts.append({b: top.tolist() for b, (_, top) in blocks.items()})
+        confidences.append({b: [round(float(p), 4) for p in probs] for b, (probs, _) in blocks.items()})
         confidence.append(round(float(blocks[2][0][0]), 4))  # the draft's probability of its position-1 token, block of 2
         out = target.forward([y[-1]])
         began = time.perf_counter()
@@ -64,6 +67,7 @@ def record(rt, text: str, max_new: int) -> dict:
         y.append(int(out.logits[-1].argmax()))
         sure.append(round(float(out.logits[-1].softmax(-1).max()), 4))  # the target's probability of its token
     return {"prompt_ids": list(ids), "y": y, "drafts": drafts, "confidence": confidence, "anchor_probability": sure,
+            "confidences": confidences,
             "catch_up_s": statistics.median(catch_up) if catch_up else 0.0}
 
 
@@ -125,9 +129,25 @@ def gated(trace: dict, steps: Steps, tau: float) -> tuple[int, float]:
     return last, seconds
 
 
-def auto_replay(traces: list[dict], steps: Steps, max_size: int) -> tuple[int, float, dict]:
+def confident_prefix(confidences: list[float], size: int, steps: Steps) -> int:
+    """How many of a drafted block's rows to verify (0: decode plainly, the draft paid): the prefix with the most
+    expected tokens per second of this step, taking the draft's probabilities as the chance each draft is right
+    given the ones before (a cut on the draft's distributions, not its draws: lossless, as sampling.gated)."""
+    paid = interpolate(steps.costs.draft_s, size) + steps.catch_up
+    best, rows, expected, run = 1 / (paid + steps.plain()), 0, 1.0, 1.0
+    for k in range(1, size):
+        run *= confidences[k - 1]
+        expected += run
+        rate = expected / (paid + interpolate(steps.costs.verify_s, k + 1))
+        if rate > best:
+            best, rows = rate, k
+    return rows
+
+
+def auto_replay(traces: list[dict], steps: Steps, max_size: int, cut: bool = False) -> tuple[int, float, dict]:
     """The real controller over the prompts in order, one Memory (its cost model learns from the replayed
-    step times, as in a run); returns tokens, seconds and the histogram of its choices."""
+    step times, as in a run); returns tokens, seconds and the histogram of its choices. `cut`: each block it
+    drafts is verified only as far as `confident_prefix` says."""
     memory = Memory(steps.costs, max_size)
     tokens = seconds = 0.0
     chosen: dict[int, int] = {}
@@ -137,16 +157,21 @@ def auto_replay(traces: list[dict], steps: Steps, max_size: int) -> tuple[int, f
         while t < last:
             size = policy.choose()
             chosen[size] = chosen.get(size, 0) + 1
-            if size == PLAIN:
+            rows = size - 1
+            if size != PLAIN and cut:
+                rows = confident_prefix(trace["confidences"][t][size], size, steps)
+                seconds += interpolate(steps.costs.draft_s, size) + steps.catch_up if rows == 0 else 0.0
+            if size == PLAIN or rows == 0:
                 policy.emitted([y[t + 1]])
                 policy.observe_plain(steps.plain())
                 seconds, t = seconds + steps.plain(), t + 1
                 continue
-            a = accepted(trace, t, size)
+            a = min(accepted(trace, t, size), rows)
             end = min(t + a + 1, last)
             policy.emitted(y[t + 1:end + 1])
-            policy.observe(size, size - 1, a, steps.block(size) - steps.catch_up, steps.catch_up)
-            seconds, t = seconds + steps.block(size), end
+            cost = interpolate(steps.costs.draft_s, size) + interpolate(steps.costs.verify_s, rows + 1)
+            policy.observe(rows + 1, rows, a, cost, steps.catch_up)
+            seconds, t = seconds + cost + steps.catch_up, end
         policy.finish()
         tokens += last
     return int(tokens), seconds, dict(sorted(chosen.items()))
@@ -185,6 +210,8 @@ def main() -> None:
     for name, traces in recorded["sets"].items():
         for trace in traces:  # JSON keys are strings
             trace["drafts"] = [{int(b): d for b, d in row.items()} for row in trace["drafts"]]
+            if "confidences" in trace:
+                trace["confidences"] = [{int(b): c for b, c in row.items()} for row in trace["confidences"]]
         steps = Steps(costs, statistics.median(t["catch_up_s"] for t in traces))
         decode = costs.decode_s
 
@@ -197,6 +224,9 @@ def main() -> None:
             policies[f"fixed {b}"] = per_step(replay(t, steps, functools.partial(lambda b, _: b, b)) for t in traces)
         tokens, seconds, chosen = auto_replay(traces, steps, size_max)
         policies["auto"] = round(tokens / (seconds / decode), 3)
+        if all("confidences" in t for t in traces):  # (traces recorded before the draft's probabilities were kept)
+            tokens, seconds, _ = auto_replay(traces, steps, size_max, cut=True)
+            policies["auto, verified as far as the draft is confident"] = round(tokens / (seconds / decode), 3)
         for tau in (0.3, 0.5, 0.7):
             policies[f"block 2 gated at p >= {tau}"] = per_step(gated(t, steps, tau) for t in traces)
         policies["optimum"] = per_step(optimum(t, steps, sizes) for t in traces)

@@ -451,7 +451,9 @@ def controller_section() -> list[str]:
              "`python benchmarks/controller_replay.py`: the draft's real acceptance recorded at every position of plain "
              "greedy decoding, then replayed without the models at measured step costs: tokens per decode step's "
              "time for plain decoding, fixed blocks, `auto` and the optimum (a dynamic program that knows every "
-             "acceptance). Modelled, not timed: it compares policies.", ""]
+             "acceptance). Modelled, not timed: it compares policies. \"Verified as far as the draft is confident\": "
+             "`auto`'s blocks, each verified only up to the prefix with the most expected tokens per second when the "
+             "draft's probabilities are taken as the chance that each draft is right.", ""]
     for name in SOURCES["controller"]:
         path, doc = read(name)
         sets = doc["sets"]
@@ -459,7 +461,8 @@ def controller_section() -> list[str]:
         lines += table("policy", *sets)
         for pol in policies:
             lines.append(f"| {pol} | " + " | ".join(f"{sets[s]['tokens_per_decode_step'][pol]:.3f}" for s in sets) + " |")
-        lines += ["", source_line(path, doc) + f" Draft: {doc['draft_format']}; an earlier step of the shipped draft's chain.", ""]
+        lines += ["", source_line(path, doc) + f" Draft: `{Path(doc['draft']).name}` ({doc['draft_format']}); "
+                  f"step costs from `{Path(doc['costs_from']).name}`.", ""]
     return lines
 
 

@@ -341,3 +341,20 @@ def test_a_blocks_seconds_count_its_proposals(tiny_llama, monkeypatch):
                         seen.append(seconds) or real_observe(self, size, drafted, accepted, seconds, context_s))
     rt.generate([5, 9, 12], max_new_tokens=12, temperature=1.0, seed=3, rule="rejection")
     assert seen and min(seen) >= pause
+
+
+def test_the_replays_confident_prefix_verifies_what_the_drafts_probabilities_pay_for():
+    """benchmarks/controller_replay.py's cut: every row where the draft is sure, none where it is not (a plain
+    step, its draft paid), and the rows up to the first doubtful one otherwise."""
+    import sys
+    from pathlib import Path
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from controller_replay import Steps, confident_prefix
+    finally:
+        sys.path.remove(benchmarks)
+    steps = Steps(cpu_like_costs(), catch_up_s=0.001)
+    assert confident_prefix([0.99] * 7, 8, steps) == 7
+    assert confident_prefix([0.01] * 7, 8, steps) == 0
+    assert confident_prefix([0.95, 0.9, 0.02, 0.9, 0.9, 0.9, 0.9], 8, steps) == 2
