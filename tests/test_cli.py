@@ -86,6 +86,20 @@ def test_bench_runs_placements_and_temperatures_in_one_invocation(tmp_path, tiny
     assert "every placement and temperature" in capsys.readouterr().out
 
 
+def test_bench_says_where_rejection_compares_other_samples(tmp_path, tiny_llama, tiny_draft, capsys):
+    """At T>0 under `rejection` a speculative answer is another sample than the baseline's: said on the screen and
+    in the T>0 run's notes, not in the T=0 run's (where both rules give the target's own tokens)."""
+    out = tmp_path / "r.json"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_draft), "--prompts",
+                 str(write_prompts(tmp_path, 1)), "--max-new-tokens", "6", "--temperature", "0,1", "--rule", "rejection",
+                 "--json", str(out)])
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    said = [[n for n in run["notes"] if "other samples" in n] for run in runs]
+    assert [len(s) for s in said] == [0, 1]
+    assert "other samples" in capsys.readouterr().err
+
+
 def test_bench_interrupted_keeps_the_finished_rows(tmp_path, tiny_llama, tiny_draft, monkeypatch):
     """Ctrl-C during the second prompt of the second run: the first run and the second run's first
     prompt are in the JSON, marked interrupted, and the exit status says so."""

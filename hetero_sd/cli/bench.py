@@ -105,6 +105,12 @@ def bar() -> Progress:
                     TimeElapsedColumn(), console=err, transient=False)
 
 
+# Under `match` a seeded speculative answer is plain decoding's own sample; under `rejection` it is another one
+OTHER_SAMPLES = ("under --rule rejection at T>0 the speculative answers are other samples than plain decoding's "
+                 "(--rule match keeps them the same): each row compares two texts of different lengths and "
+                 "difficulty; the speedup of one --seed can sit a few percent off, run several")
+
+
 def bench_command(args) -> int:
     if args.costs:
         return run_costs(args)
@@ -127,12 +133,16 @@ def bench_command(args) -> int:
                 for note in rt.notes:
                     progress.console.print(f"[yellow]note:[/] {note}")
                 for temperature in temps:
+                    if temperature > 0 and args.rule == "rejection":
+                        progress.console.print(f"[yellow]note:[/] {OTHER_SAMPLES}")
                     saver.start(rt, temperature)
                     tick = ticker(progress, task, len(prompts), f"{rt.info['target_device']}/{rt.info['draft_device']} "
                                                                 f"T={temperature:g}", saver)
                     res = run_bench(rt, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
                                     rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
                                     progress=tick)
+                    if temperature > 0 and args.rule == "rejection":
+                        res["notes"] = res["notes"] + [OTHER_SAMPLES]
                     timelines += [(f"{label(res)} {name}", t) for name, t in res.pop("timelines")]
                     saver.add(res)  # (before the peers: a bench stopped while they run keeps its own rows)
                     if not res.get("interrupted") and temperature == 0 and not peers_done:
