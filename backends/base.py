@@ -7,6 +7,7 @@ been given and fills one block [anchor, mask, ...] per call. Everything returned
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -249,6 +250,22 @@ class WrappedDraft(DraftBackend):
 
     def propose(self, anchor: int, position: int | None = None, size: int | None = None):
         return self.inner.propose(anchor, position, size)
+
+
+# One CUDA graph capture at a time in a process, and no device-wide wait while one runs: CUDA refuses a
+# cudaDeviceSynchronize while any stream captures, whatever the capture's mode, and both the wait and the capture
+# fail (the capture on another lane's thread: a verify captured while a pre-draft waits on the same GPU). Re-entrant:
+# nothing waits inside a capture on its own thread, and a wait there must not deadlock before CUDA refuses it.
+CAPTURE = threading.RLock()
+
+
+def synchronize(device: str) -> None:
+    """Wait until the device has run what was queued on it (CUDA, MPS); nothing elsewhere."""
+    if device.startswith("cuda"):
+        with CAPTURE:
+            torch.cuda.synchronize(torch.device(device))
+    elif device == "mps":
+        torch.mps.synchronize()
 
 
 def thread_release(device: str) -> Callable[[], None] | None:

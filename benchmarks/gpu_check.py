@@ -43,6 +43,9 @@ from dataclasses import dataclass, fields
 from functools import partial
 
 STARTED = time.monotonic()  # the budget counts from here: torch's import and CUDA's start are in the call's time
+# The profiler (launches a step) keeps CUPTI loaded between its sessions instead of tearing it down with captured
+# CUDA graphs alive, as torch does for inductor's own graphs (read when a profile ends)
+os.environ.setdefault("TEARDOWN_CUPTI", "0")
 ROW_S = 12.0  # an oracle row starts only with this much of the budget left (3 generations of 128 tokens, a 4B shape)
 from pathlib import Path
 
@@ -275,7 +278,9 @@ def build(check: Check, shape_name: str, steps: str, draft_device: str):
     d_dtype = dtype if draft_device == dev else getattr(torch, check.result["cpu_draft_dtype"])
     draft = load_draft(folder, dcfg, target, draft_device, d_dtype, raw["dflash_config"]["mask_token_id"],
                        tensors=draft_tensors(raw, draft_device, d_dtype), int8_head=False,
-                       policy=policy(steps=steps if draft_device == dev else "eager", gemm=steps != "compiled"))
+                       # (a host draft beside a GPU target: no native GEMM kernel to build inside a timed row)
+                       policy=policy(steps=steps if draft_device == dev else "eager",
+                                     gemm=steps != "compiled" and draft_device == dev))
     return model, target, draft
 
 
@@ -460,17 +465,22 @@ def ar_row(p: Placement, key: str) -> None:
     p.check.log(f"{key}: {p.check.result['e2e'][key]['tok_s']:.1f} tok/s")
 
 
+PROFILED = 32  # tokens of the profiled generation: an eager step is thousands of profiler events, and reading
+#               them back for a whole row's tokens took seconds of the call's budget; a step's launches are an average
+
+
 def launches(rt: Runtime, prompt: list[int], tokens: int, steps, **kw) -> dict:
-    """One more generation under torch.profiler: what the host launched a step (steps(stats): the loop's steps;
-    the prefill's launches are in the total). On CUDA the runtime API's kernel launches (each op outside a graph),
-    graph launches and copies; a launch-bound loop shows here before it shows in tok/s. Elsewhere torch's ops."""
+    """One more generation (of at most PROFILED tokens) under torch.profiler: what the host launched a step
+    (steps(stats): the loop's steps; the prefill's launches are in the total). On CUDA the runtime API's kernel
+    launches (each op outside a graph), graph launches and copies; a launch-bound loop shows here before it shows in
+    tok/s. Elsewhere torch's ops."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(rt.target.device).type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        out = rt.generate(prompt, max_new_tokens=tokens, stop_at_eos=False, **kw)
+        out = rt.generate(prompt, max_new_tokens=min(tokens, PROFILED), stop_at_eos=False, **kw)
     # the host's side only: a device's own records (a copy's, a graph's replayed nodes) are not launches
     names = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
     kinds = {"kernels": ("LaunchKernel",), "graphs": ("GraphLaunch",), "copies": ("cudaMemcpy",)} if cuda else \

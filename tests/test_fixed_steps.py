@@ -392,3 +392,38 @@ def test_warming_asks_for_a_positive_whole_number_of_positions(tiny_llama):
         with pytest.raises(InvalidArgumentError, match="positions must be"):
             rt.warm(bad)
     assert rt.warm(None) == rt.warm() == 0  # (None: the caches as allocated; eager steps warm nothing)
+
+
+def test_a_wait_for_the_gpu_waits_for_a_capture_on_another_thread(monkeypatch):
+    """CUDA refuses a device-wide wait while any stream captures, failing the wait and the capture alike: a lane's
+    wait (a pre-draft's, a job's end) must not land inside another lane's capture. The capture holds the lock a wait
+    takes, and so does dropping the captured steps (CUDA refuses to destroy a graph during a capture too)."""
+    import threading
+
+    from hetero_sd.backends import base
+    from hetero_sd.backends.torch_backend import steps
+
+    assert steps.CAPTURE is base.CAPTURE
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    capturing, done = threading.Event(), threading.Event()
+
+    def capture():
+        with base.CAPTURE:
+            capturing.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=capture)
+    holder.start()
+    capturing.wait(10)
+    waits = [threading.Thread(target=base.synchronize, args=("cuda:0",)),
+             threading.Thread(target=steps.Runner("graphs", "cpu").reset)]
+    for w in waits:
+        w.start()
+    for w in waits:
+        w.join(0.3)
+    assert all(w.is_alive() for w in waits) and not waited  # both wait for the capture's end
+    done.set()
+    for w in waits + [holder]:
+        w.join(10)
+    assert waited == [torch.device("cuda:0")]

@@ -26,7 +26,7 @@ import torch
 from hetero_sd.errors import PromptTooLongError
 from hetero_sd.models.config import ArchConfig
 
-from ..base import TargetBackend, TargetOutput
+from ..base import TargetBackend, TargetOutput, synchronize
 
 
 class Capture:
@@ -189,10 +189,7 @@ class HFTarget(TargetBackend):
         self.cache, self.ids, self.block_start, self.snapshot, self.settled = self.new_cache(), [], 0, None, True
 
     def synchronize(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        elif self.device == "mps":
-            torch.mps.synchronize()
+        synchronize(self.device)
 
     def fork(self) -> "HFTarget":
         return HFTarget(self.model, self.config, self.device, self.dtype, self.layer_ids, self.max_context, [],

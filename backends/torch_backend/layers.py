@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero_sd.backends.base import synchronize
 from hetero_sd.backends.policy import DEFAULT, LoadPolicy
 from hetero_sd.models.config import ArchConfig
 from hetero_sd.models.layout import inv_frequencies, layer_shapes, layer_weights  # noqa: F401  (re-exported)
@@ -196,10 +197,7 @@ class CacheOwner:
         self.cache.length = min(self.cache.length, length)
 
     def synchronize(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-        elif self.device == "mps":
-            torch.mps.synchronize()
+        synchronize(self.device)
 
 
 class DecoderLayer(nn.Module):

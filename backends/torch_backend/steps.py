@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx.experimental._config  # noqa: F401  (symbolic shapes' settings: `compiled`)
 
+from hetero_sd.backends.base import CAPTURE
 from hetero_sd.errors import DeviceFailedError
 
 from .layers import KVCache, Rope, TorchOps, rms_norm
@@ -113,7 +114,6 @@ def compiled(step: Callable, name: str) -> Callable:
     return run
 
 
-CAPTURE = threading.Lock()
 FIX = "HETERO_SD_STEPS=fixed (or eager) runs the steps without capturing them"
 # Why no capture is tried again in a process after one failed: torch before 2.12 leaves its allocator believing a
 # capture is under way when cudaStreamEndCapture fails (pytorch#180395), and every later torch.cuda.graph, which
@@ -137,9 +137,11 @@ class Runner:
 
     def reset(self) -> None:
         """Forget the captured steps (their inputs moved: a grown cache) and their memory pool: a pool whose
-        graphs are all gone is not captured into again (cuBLAS keeps its workspace in the first one)."""
-        self.graphs = {}
-        self.pool = None
+        graphs are all gone is not captured into again (cuBLAS keeps its workspace in the first one). Not while
+        another thread captures: CUDA refuses to destroy a graph during a capture."""
+        with CAPTURE:
+            self.graphs = {}
+            self.pool = None
 
     def run(self, key, fn: Callable[[], tuple]) -> tuple:
         if not self.capturing:

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from hetero_sd.backends.base import synchronize
+
 from .repetition import add_counts, loop_counts, loop_figures
 
 
@@ -66,8 +68,7 @@ def placement(runtime) -> tuple[str, torch.dtype]:
 def synced(device: str, fn):
     """fn() and the device's queue drained: a peer's clock stops when its tokens exist."""
     out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return out
 
 

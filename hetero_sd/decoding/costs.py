@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from hetero_sd.devices import capability
-from hetero_sd.backends.base import DraftBackend, ModelWeights, TargetBackend, forward_matrices, weights_of
+from hetero_sd.backends.base import (DraftBackend, ModelWeights, TargetBackend, forward_matrices, synchronize,
+                                     weights_of)
 
 
 @dataclass
@@ -199,7 +200,7 @@ def accelerator_name(device: str) -> str:
 def device_sync(device: str) -> Callable[[], None]:
     kind = device_kind(device)
     if kind == "cuda":
-        return lambda: torch.cuda.synchronize(torch.device(device))
+        return lambda: synchronize(device)
     if kind == "mps":
         return torch.mps.synchronize
     return lambda: None
