@@ -274,7 +274,8 @@ def read(name: str) -> tuple[Path, dict]:
 
 def decode_section() -> list[str]:
     lines = ["## Decoding: the default pair, default flags", "",
-             "`hetero-sd bench --dataset SET --limit 6 --max-new-tokens 128 --temperature 0,1` (`bash benchmarks/decode.sh`): "
+             "`hetero-sd bench --dataset SET --limit 6 --max-new-tokens 128 --temperature 0,1 --seed RUN` (`bash benchmarks/decode.sh`; "
+             "each run its own seed, so the T=1 rows are three samples of answers): "
              "SmolLM2-135M-Instruct with the shipped `cpu-trained` draft, both on the CPU, the block-size controller on; "
              "plain and speculative decoding alternate prompt by prompt in one process. Lossless at T=0 means every "
              "output token-identical to plain decoding's; at T=1 the outputs are samples (their distribution is the "
