@@ -264,7 +264,7 @@ def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         with CAPTURE:
             torch.cuda.synchronize(torch.device(device))
-    elif device == "mps":
+    elif device.startswith("mps"):
         torch.mps.synchronize()
 
 

@@ -160,7 +160,8 @@ def auto_replay(traces: list[dict], steps: Steps, max_size: int, cut: bool = Fal
             rows = size - 1
             if size != PLAIN and cut:
                 rows = confident_prefix(trace["confidences"][t][size], size, steps)
-                seconds += interpolate(steps.costs.draft_s, size) + steps.catch_up if rows == 0 else 0.0
+                if rows == 0:  # decoded plainly after all, the draft paid
+                    seconds += interpolate(steps.costs.draft_s, size) + steps.catch_up
             if size == PLAIN or rows == 0:
                 policy.emitted([y[t + 1]])
                 policy.observe_plain(steps.plain())

@@ -133,7 +133,8 @@ def bench_command(args) -> int:
                 for note in rt.notes:
                     progress.console.print(f"[yellow]note:[/] {note}")
                 for temperature in temps:
-                    if temperature > 0 and args.rule == "rejection":
+                    other_samples = temperature > 0 and args.rule == "rejection"
+                    if other_samples:
                         progress.console.print(f"[yellow]note:[/] {OTHER_SAMPLES}")
                     saver.start(rt, temperature)
                     tick = ticker(progress, task, len(prompts), f"{rt.info['target_device']}/{rt.info['draft_device']} "
@@ -141,7 +142,7 @@ def bench_command(args) -> int:
                     res = run_bench(rt, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
                                     rule=args.rule, seed=args.seed or 0, schedules=schedules, blocks=blocks,
                                     progress=tick)
-                    if temperature > 0 and args.rule == "rejection":
+                    if other_samples:
                         res["notes"] = res["notes"] + [OTHER_SAMPLES]
                     timelines += [(f"{label(res)} {name}", t) for name, t in res.pop("timelines")]
                     saver.add(res)  # (before the peers: a bench stopped while they run keeps its own rows)

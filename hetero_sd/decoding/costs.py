@@ -198,12 +198,7 @@ def accelerator_name(device: str) -> str:
 
 
 def device_sync(device: str) -> Callable[[], None]:
-    kind = device_kind(device)
-    if kind == "cuda":
-        return lambda: synchronize(device)
-    if kind == "mps":
-        return torch.mps.synchronize
-    return lambda: None
+    return partial(synchronize, device)
 
 
 def peak_gflops(dtype: torch.dtype = torch.float32, n: int | None = None, repeats: int = 5,
